@@ -1,0 +1,104 @@
+"""Batches of any nesting: find their tensors, check their length, build a batch of any size.
+
+Containers known to ``torch.utils._pytree`` (tuple, list, dict, namedtuple, ...) are walked by
+it; dataclasses and other mappings (Hugging Face ``BatchEncoding``, ``UserDict``) are rebuilt
+here because pytree does not know them unless registered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def _is_unregistered_container(obj: Any) -> bool:
+    if type(obj) in pytree.SUPPORTED_NODES:
+        return False
+    is_dataclass_instance = dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+    return is_dataclass_instance or isinstance(obj, Mapping)
+
+
+def _rebuild_mapping(original: Mapping, items: dict) -> Any:
+    try:
+        return type(original)(items)
+    except TypeError:
+        return items
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """Apply ``fn`` to every tensor leaf of ``batch``, keeping its structure and other leaves."""
+
+    def visit(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return fn(node)
+        if isinstance(node, Mapping):
+            return _rebuild_mapping(node, {key: map_tensors(fn, value) for key, value in node.items()})
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            changes = {f.name: map_tensors(fn, getattr(node, f.name)) for f in dataclasses.fields(node) if f.init}
+            return dataclasses.replace(node, **changes)
+        return node
+
+    is_leaf = lambda node: isinstance(node, torch.Tensor) or _is_unregistered_container(node)  # noqa: E731
+    return pytree.tree_map(visit, batch, is_leaf=is_leaf)
+
+
+def tensor_leaves(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in ``batch``, in traversal order."""
+    found: list[torch.Tensor] = []
+    map_tensors(found.append, batch)
+    return found
+
+
+def batch_length(batch: Any) -> int:
+    """The shared leading (batch) dimension of every non-scalar tensor leaf.
+
+    Raises ``ValueError`` when there is no tensor or when the leading dimensions differ.
+    """
+    lengths = {tuple(t.shape)[0] for t in tensor_leaves(batch) if t.dim() > 0}
+    if not lengths:
+        raise ValueError(
+            "the sample batch holds no tensor with a batch dimension: pass one real batch from "
+            "your data loader, e.g. next(iter(loader))"
+        )
+    if len(lengths) > 1:
+        raise ValueError(
+            f"the sample batch's tensors have different batch lengths {sorted(lengths)}: every tensor "
+            "needs the same leading dimension (pass a step_fn to handle other layouts)"
+        )
+    length = lengths.pop()
+    if length == 0:
+        raise ValueError("the sample batch is empty (batch length 0): pass at least one sample")
+    return length
+
+
+def bytes_per_sample(batch: Any) -> int:
+    """Bytes one sample adds to the batch (the batch tensors' bytes divided by their length)."""
+    length = batch_length(batch)
+    total = sum(t.element_size() * t.numel() for t in tensor_leaves(batch) if t.dim() > 0)
+    return max(1, -(-total // length))
+
+
+def resize_batch(batch: Any, batch_size: int) -> Any:
+    """A batch of ``batch_size`` rows built from ``batch``'s rows, cycled (``arange(B) % n``).
+
+    >>> resize_batch(torch.arange(3), 5).tolist()
+    [0, 1, 2, 0, 1]
+    """
+    length = batch_length(batch)
+
+    def resize(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0:
+            return tensor
+        rows = torch.arange(batch_size, device=tensor.device) % length
+        return tensor.index_select(0, rows)
+
+    return map_tensors(resize, batch)
+
+
+def move_batch(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor on ``device`` (tensors already there are kept as they are)."""
+    return map_tensors(lambda tensor: tensor.to(device), batch)

@@ -1,0 +1,20 @@
+"""Devices: where a probe runs and how memory is read, behind one protocol."""
+
+from batchfit.devices.base import Device
+from batchfit.devices.cpu import CpuDevice
+from batchfit.devices.cuda import CudaDevice
+from batchfit.devices.mps import MpsDevice
+from batchfit.devices.oom import is_oom
+from batchfit.devices.resolve import model_device, resolve_device
+from batchfit.devices.simulated import SimulatedDevice
+
+__all__ = [
+    "CpuDevice",
+    "CudaDevice",
+    "Device",
+    "MpsDevice",
+    "SimulatedDevice",
+    "is_oom",
+    "model_device",
+    "resolve_device",
+]

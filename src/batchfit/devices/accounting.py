@@ -1,0 +1,112 @@
+"""Live-bytes accounting: count every tensor storage alive while a trial runs.
+
+A ``TorchDispatchMode`` sees every op below autograd (forward, backward and optimizer ops alike).
+Each storage an op reads or makes is counted once, when first seen, and uncounted when the
+storage is freed (a weak reference to the untyped storage: PyTorch keeps a storage's Python
+object alive as long as the storage itself, so the callback fires when the memory is released).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from batchfit.units import format_bytes
+
+# The simulated OOM message carries the CPU allocator's wording so that tools matching OOMs by
+# message (Lightning, accelerate) recognise it as well.
+PEER_OOM_WORDING = "DefaultCPUAllocator: can't allocate memory"
+
+
+class LiveBytes:
+    """Counts the bytes of live storages and raises ``torch.OutOfMemoryError`` past ``limit_bytes``.
+
+    ``rounding_bytes`` rounds every storage up like the CUDA caching allocator (512-byte blocks).
+    """
+
+    def __init__(self, *, limit_bytes: int | None = None, rounding_bytes: int = 1, name: str = "device"):
+        if rounding_bytes < 1:
+            raise ValueError(f"rounding_bytes must be at least 1, got {rounding_bytes}")
+        self.limit_bytes = limit_bytes
+        self.rounding_bytes = rounding_bytes
+        self.name = name
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.timeline: list[int] = []
+        self._refs: dict[int, weakref.ref] = {}
+
+    def _rounded(self, nbytes: int) -> int:
+        return -(-nbytes // self.rounding_bytes) * self.rounding_bytes
+
+    def _release(self, key: int, nbytes: int) -> None:
+        if self._refs.pop(key, None) is not None:
+            self.live_bytes -= nbytes
+
+    def track(self, tensor: Any, *, enforce: bool = True) -> None:
+        """Count ``tensor``'s storage if it is not counted yet; raise OOM past the limit."""
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._refs:
+            return
+        nbytes = self._rounded(storage.nbytes())
+        if nbytes == 0:
+            return
+        self._refs[key] = weakref.ref(storage, lambda _ref, key=key, nbytes=nbytes: self._release(key, nbytes))
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if enforce and self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
+            raise torch.OutOfMemoryError(self._oom_message(nbytes))
+
+    def track_all(self, tensors: Iterable[Any]) -> None:
+        """Count tensors that existed before the trial (parameters, buffers, optimizer state)."""
+        for tensor in tensors:
+            self.track(tensor, enforce=False)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def _oom_message(self, nbytes: int) -> str:
+        return (
+            f"{self.name} out of memory: tried to allocate {format_bytes(nbytes)} with "
+            f"{format_bytes(self.live_bytes - nbytes)} live of {format_bytes(self.limit_bytes)} "
+            f"({self.live_bytes} bytes requested in all, limit {self.limit_bytes} bytes). "
+            f"Simulated; worded like the CPU allocator for other tools: {PEER_OOM_WORDING}."
+        )
+
+    def mode(self) -> TorchDispatchMode:
+        """A dispatch mode that counts what every op reads and makes while it is active, and
+        appends the live bytes after each op to ``timeline`` (cleared here)."""
+        self.timeline = []
+        return _CountingMode(self)
+
+
+def _tensors_in(value: Any) -> Iterable[Any]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
+class _CountingMode(TorchDispatchMode):
+    def __init__(self, counter: LiveBytes):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for arg in args:
+            for tensor in _tensors_in(arg):
+                self.counter.track(tensor, enforce=False)
+        out = func(*args, **kwargs)
+        for tensor in _tensors_in(out):
+            self.counter.track(tensor)
+        self.counter.timeline.append(self.counter.live_bytes)
+        return out

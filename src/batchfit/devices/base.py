@@ -1,0 +1,74 @@
+"""The Device protocol: where a probe runs and how its memory is read."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterable, Iterator
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Device(Protocol):
+    """What the search needs from a device.
+
+    ``measuring()`` is active while a trial runs; peaks are absolute bytes (model included).
+    ``timeline()`` gives the live bytes after each op of the last ``measuring()`` block, or
+    ``None`` where the device cannot record it.
+    """
+
+    name: str
+    torch_device: torch.device
+    simulated: bool
+
+    def capacity_bytes(self) -> int | None: ...
+    def live_bytes(self) -> int: ...
+    def reset_peak(self) -> None: ...
+    def peak_bytes(self) -> int: ...
+    def measuring(self) -> contextlib.AbstractContextManager: ...
+    def timeline(self) -> list[int] | None: ...
+    def register(self, tensors: Iterable[torch.Tensor]) -> None: ...
+    def cleanup(self) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+class CountingDevice:
+    """Shared base for devices whose memory is read by live-bytes accounting (CPU, MPS, simulated)."""
+
+    simulated = False
+
+    def __init__(self, name: str, torch_device: torch.device, counter) -> None:
+        self.name = name
+        self.torch_device = torch_device
+        self.counter = counter
+
+    def live_bytes(self) -> int:
+        return self.counter.live_bytes
+
+    def reset_peak(self) -> None:
+        self.counter.reset_peak()
+
+    def peak_bytes(self) -> int:
+        return self.counter.peak_bytes
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        with self.counter.mode():
+            yield
+
+    def timeline(self) -> list[int]:
+        return self.counter.timeline
+
+    def register(self, tensors: Iterable[torch.Tensor]) -> None:
+        self.counter.track_all(tensors)
+
+    def cleanup(self) -> None:
+        gc.collect()
+
+    def synchronize(self) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return self.name

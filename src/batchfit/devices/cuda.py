@@ -1,0 +1,77 @@
+"""CudaDevice: NVIDIA (and ROCm, which PyTorch exposes as ``cuda``) through the caching allocator."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _AllocatedTimeline(TorchDispatchMode):
+    """Reads the allocator's live bytes after every op (host-side bookkeeping, no sync)."""
+
+    def __init__(self, device: torch.device, timeline: list[int]):
+        super().__init__()
+        self.device = device
+        self.timeline = timeline
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.timeline.append(torch.cuda.memory_allocated(self.device))
+        return out
+
+
+class CudaDevice:
+    """Probe on a CUDA device; memory from the caching allocator's statistics.
+
+    Capacity is what this process can still use: the driver's free memory plus what the
+    allocator already holds in its cache. With ``record_timeline`` (default) the live bytes are
+    read after every op, which lets the memory model see each op's line.
+    """
+
+    simulated = False
+
+    def __init__(self, index: int | None = None, *, record_timeline: bool = True) -> None:
+        self.index = torch.cuda.current_device() if index is None else index
+        self.torch_device = torch.device("cuda", self.index)
+        self.name = f"cuda:{self.index}"
+        self.record_timeline = record_timeline
+        self._timeline: list[int] = []
+
+    def capacity_bytes(self) -> int:
+        free_bytes, _total_bytes = torch.cuda.mem_get_info(self.torch_device)
+        return free_bytes + torch.cuda.memory_reserved(self.torch_device)
+
+    def live_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.torch_device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.torch_device)
+
+    def measuring(self) -> contextlib.AbstractContextManager:
+        self._timeline = []
+        if not self.record_timeline:
+            return contextlib.nullcontext()
+        return _AllocatedTimeline(self.torch_device, self._timeline)
+
+    def timeline(self) -> list[int] | None:
+        return self._timeline if self.record_timeline else None
+
+    def register(self, tensors: Iterable[torch.Tensor]) -> None:
+        return None  # the allocator already counts every tensor on the device
+
+    def cleanup(self) -> None:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+    def __repr__(self) -> str:
+        return self.name

@@ -1,0 +1,60 @@
+"""Turn what the user wrote (``None``, ``"cuda:1"``, ``"sim:8GiB"``, a Device) into a Device."""
+
+from __future__ import annotations
+
+import torch
+
+from batchfit.devices.base import Device
+from batchfit.devices.cpu import CpuDevice
+from batchfit.devices.cuda import CudaDevice
+from batchfit.devices.mps import MpsDevice
+from batchfit.devices.simulated import SimulatedDevice
+
+DEVICE_HELP = "use 'cpu', 'cuda', 'cuda:N', 'mps', 'sim:CAPACITY' (e.g. 'sim:8GiB') or a batchfit Device"
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model already is (seed 000: ``next(model.parameters()).device``)."""
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def from_torch_device(device: torch.device) -> Device:
+    """The batchfit Device for a ``torch.device``."""
+    if device.type == "cuda":
+        return CudaDevice(device.index)
+    if device.type == "mps":
+        return MpsDevice()
+    if device.type == "cpu":
+        return CpuDevice()
+    raise ValueError(f"device type {device.type!r} is not supported yet: {DEVICE_HELP}")
+
+
+def from_string(spec: str) -> Device:
+    """Parse ``"cpu"``, ``"cuda:0"``, ``"mps"`` or ``"sim:8GiB"``."""
+    text = spec.strip()
+    if text.lower().startswith("sim:"):
+        return SimulatedDevice(text[4:])
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"unknown device {spec!r}: {DEVICE_HELP}") from None
+    return from_torch_device(device)
+
+
+def resolve_device(spec: Device | torch.device | str | None, model: torch.nn.Module) -> Device:
+    """The Device to probe on; ``None`` means where the model already is."""
+    if spec is None:
+        return from_torch_device(model_device(model))
+    if isinstance(spec, str):
+        return from_string(spec)
+    if isinstance(spec, torch.device):
+        return from_torch_device(spec)
+    if isinstance(spec, Device):
+        return spec
+    raise TypeError(
+        f"device must be a string, a torch.device or a batchfit Device, got {type(spec).__name__}: {DEVICE_HELP}"
+    )

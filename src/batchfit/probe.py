@@ -1,0 +1,157 @@
+"""Prober: run trials of a workload on a device, restoring every bit of state after each one."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from batchfit.batching import move_batch, resize_batch, tensor_leaves
+from batchfit.devices.base import Device
+from batchfit.devices.oom import is_oom, summarize_oom
+from batchfit.devices.resolve import model_device
+from batchfit.state import StateSnapshot
+from batchfit.trial import Trial
+from batchfit.units import format_bytes
+from batchfit.workload import Workload
+
+
+def _same_place(a: torch.device, b: torch.device) -> bool:
+    index_a = a.index if a.index is not None else 0
+    index_b = b.index if b.index is not None else 0
+    return a.type == b.type and (a.type == "cpu" or index_a == index_b)
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
+    if optimizer is None:
+        return
+    for entries in optimizer.state.values():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                entries[key] = value.to(device)
+
+
+class Prober:
+    """Use as a context manager: on entry the state is saved (and the model moved to ``device``
+    if it lives elsewhere); ``probe(b)`` runs one trial; on exit everything is put back.
+
+    A trial runs ``steps`` full training steps (forward, loss, backward, optimizer step) on a
+    batch of ``b`` rows built from the sample, so the optimizer state made by step 1 is alive
+    during step 2. Only out-of-memory errors are caught; any other exception, ``KeyboardInterrupt``
+    included, propagates unchanged after the state is restored.
+    """
+
+    def __init__(self, workload: Workload, device: Device, *, steps: int = 2, limit_bytes: int | None = None):
+        if steps < 1:
+            raise ValueError(f"steps must be at least 1 (2 or more to include optimizer state), got {steps}")
+        self.workload = workload
+        self.device = device
+        self.steps = steps
+        self.limit_bytes = limit_bytes
+        self.baseline_bytes = 0
+        self._snapshot: StateSnapshot | None = None
+        self._home: torch.device | None = None
+        self._sample: Any = None
+
+    def __enter__(self) -> Prober:
+        work = self.workload
+        self._snapshot = StateSnapshot.take(work.model, work.optimizer)
+        self._home = model_device(work.model)
+        target = self.device.torch_device
+        if not _same_place(self._home, target):
+            work.model.to(target)
+            _move_optimizer_state(work.optimizer, target)
+        self._sample = move_batch(work.sample_batch, target)
+        self.device.register([*work.state_tensors(), *tensor_leaves(self._sample)])
+        self.device.cleanup()
+        self.baseline_bytes = self.device.live_bytes()
+        self._check_capacity()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._sample = None
+        if self._home is not None and not _same_place(self._home, self.device.torch_device):
+            self.workload.model.to(self._home)
+        if self._snapshot is not None:
+            self._snapshot.restore()
+        self.device.cleanup()
+
+    def _check_capacity(self) -> None:
+        limit = self.limit_bytes if self.limit_bytes is not None else self.device.capacity_bytes()
+        if limit is not None and self.baseline_bytes >= limit:
+            raise ValueError(
+                f"{self.device.name} has {format_bytes(limit)} usable but the workload already holds "
+                f"{format_bytes(self.baseline_bytes)} before any batch (parameters, buffers, gradients, "
+                "optimizer state): give a larger capacity or a smaller margin"
+            )
+
+    def probe(self, batch_size: int) -> Trial:
+        """Run one trial at ``batch_size`` and put the state back."""
+        if self._snapshot is None:
+            raise RuntimeError("use Prober as a context manager: with Prober(...) as prober: prober.probe(8)")
+        self.device.cleanup()
+        record = _Record()
+        start = time.perf_counter()
+        error = None
+        try:
+            self._run_steps(batch_size, record)
+        except BaseException as exc:
+            if not is_oom(exc):
+                self._reset()
+                raise
+            error = summarize_oom(exc)
+        seconds = time.perf_counter() - start
+        self._reset()
+        return self._trial(batch_size, record, seconds, error)
+
+    def _run_steps(self, batch_size: int, record: _Record) -> None:
+        device, work = self.device, self.workload
+        device_type = device.torch_device.type
+
+        def mark(phase: str) -> None:
+            record.peaks[phase] = max(record.peaks.get(phase, 0), device.peak_bytes())
+            device.reset_peak()
+
+        with device.measuring():
+            device.reset_peak()
+            batch = resize_batch(self._sample, batch_size)
+            batch_bytes = sum(t.element_size() * t.numel() for t in tensor_leaves(batch) if t.dim() > 0)
+            scaler = work.make_scaler(device_type)
+            for _ in range(self.steps):
+                record.held_bytes = device.live_bytes() - batch_bytes
+                if work.mode == "train":
+                    work.train_step(batch, device_type, scaler, mark)
+                else:
+                    work.eval_step(batch, device_type, mark)
+                record.steps += 1
+            device.synchronize()
+
+    def _reset(self) -> None:
+        assert self._snapshot is not None
+        self._snapshot.restore()
+        self.device.cleanup()
+
+    def _trial(self, batch_size: int, record: _Record, seconds: float, error: str | None) -> Trial:
+        common = dict(phase_peak_bytes=record.peaks, steps=record.steps, held_bytes=record.held_bytes)
+        if error is not None:
+            return Trial(batch_size, False, None, seconds, error, oom=True, **common)
+        timeline = self.device.timeline()
+        common["timeline"] = tuple(timeline) if timeline else None
+        peak = max(record.peaks.values())
+        if self.limit_bytes is not None and peak > self.limit_bytes:
+            over = (
+                f"peak {format_bytes(peak)} is over the usable {format_bytes(self.limit_bytes)} (capacity minus margin)"
+            )
+            return Trial(batch_size, False, peak, seconds, over, **common)
+        return Trial(batch_size, True, peak, seconds, None, **common)
+
+
+@dataclass
+class _Record:
+    """What a trial has measured so far (kept when an OOM cuts it short)."""
+
+    peaks: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+    held_bytes: int | None = None

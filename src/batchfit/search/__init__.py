@@ -1,0 +1,1 @@
+"""Search for the largest batch size: strategies, the memory model and the runner."""

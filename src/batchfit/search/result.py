@@ -1,0 +1,86 @@
+"""SearchResult: the answer of a search and every trial that led to it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from batchfit.trial import Trial
+from batchfit.units import format_bytes
+
+
+class NoBatchFitsError(RuntimeError):
+    """Even ``min_batch_size`` does not fit; ``.trials`` holds what was tried."""
+
+    def __init__(self, message: str, trials: list[Trial]):
+        super().__init__(message)
+        self.trials = trials
+
+
+@dataclass
+class SearchResult:
+    """The largest batch size that fitted in a trial, with the trials that found it.
+
+    ``exact`` is true when the edge is confirmed: ``batch_size + 1`` failed, or ``batch_size`` is
+    ``max_batch_size``. It is false only when ``max_trials`` stopped the search early.
+    """
+
+    batch_size: int
+    trials: list[Trial]
+    strategy: str
+    capacity_bytes: int | None
+    limit_bytes: int | None
+    device: str
+    min_batch_size: int
+    max_batch_size: int
+    exact: bool
+    seconds: float
+    workload: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The peak measured at the chosen batch size."""
+        return next((t.peak_bytes for t in self.trials if t.batch_size == self.batch_size and t.fits), None)
+
+    @property
+    def oom_trials(self) -> int:
+        return sum(1 for t in self.trials if t.oom)
+
+    @property
+    def steps(self) -> int:
+        """Full training steps executed across all trials."""
+        return sum(t.steps for t in self.trials)
+
+    def summary(self) -> str:
+        """One sentence with the answer."""
+        exact = "" if self.exact else " (stopped early by max_trials: the edge is not confirmed)"
+        return (
+            f"Largest batch size that fits on {self.device}: {self.batch_size} "
+            f"(peak {format_bytes(self.peak_bytes)} of {format_bytes(self.capacity_bytes)}), "
+            f"found by '{self.strategy}' in {len(self.trials)} trials, {self.oom_trials} out of memory, "
+            f"{self.seconds:.1f} s{exact}."
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the answer, the search settings and every trial."""
+        return {
+            "batch_size": self.batch_size,
+            "exact": self.exact,
+            "strategy": self.strategy,
+            "device": self.device,
+            "workload": self.workload,
+            "capacity_bytes": self.capacity_bytes,
+            "limit_bytes": self.limit_bytes,
+            "peak_bytes": self.peak_bytes,
+            "min_batch_size": self.min_batch_size,
+            "max_batch_size": self.max_batch_size,
+            "seconds": self.seconds,
+            "oom_trials": self.oom_trials,
+            "steps": self.steps,
+            "trials": [t.to_dict() for t in self.trials],
+            "torch_version": torch.__version__,
+            **self.extra,
+        }

@@ -1,0 +1,210 @@
+"""find_max_batch_size and probe_batch_size: the search loop over a Prober and a Strategy."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from batchfit.batching import bytes_per_sample
+from batchfit.devices.base import Device
+from batchfit.devices.resolve import resolve_device
+from batchfit.probe import Prober
+from batchfit.search.result import NoBatchFitsError, SearchResult
+from batchfit.search.strategies import SearchSpace, Strategy, bracket, make_strategy
+from batchfit.trial import Trial
+from batchfit.units import format_bytes, parse_bytes
+from batchfit.workload import Workload
+
+logger = logging.getLogger("batchfit")
+
+DeviceSpec = Device | torch.device | str | None
+UNBOUNDED_MAX_BATCH_SIZE = 1 << 20  # only where the device reports no capacity
+
+
+def margin_bytes(margin: int | float | str, capacity_bytes: int | None) -> int:
+    """Headroom in bytes: an int or a size string, or a fraction of the capacity in ``[0, 1)``."""
+    if isinstance(margin, bool):
+        raise TypeError(f"margin must be bytes, a size string or a fraction, got {margin!r}")
+    if isinstance(margin, float):
+        if not 0 <= margin < 1:
+            raise ValueError(f"a fractional margin must be in [0, 1), got {margin=}")
+        return int(margin * capacity_bytes) if capacity_bytes else 0
+    if margin == 0:
+        return 0
+    return parse_bytes(margin, what="margin")
+
+
+def _check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: int | None) -> None:
+    if not isinstance(min_batch_size, int) or min_batch_size < 1:
+        raise ValueError(f"min_batch_size must be an integer of at least 1, got {min_batch_size!r}")
+    if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < min_batch_size):
+        raise ValueError(
+            f"max_batch_size must be an integer >= min_batch_size ({min_batch_size}), got {max_batch_size!r}"
+        )
+    if max_trials is not None and max_trials < 1:
+        raise ValueError(f"max_trials must be at least 1 or None, got {max_trials!r}")
+
+
+def _upper_bound(workload: Workload, limit_bytes: int | None, baseline_bytes: int, min_batch_size: int) -> int:
+    """No batch larger than the free memory divided by one sample's bytes can fit: the batch alone
+    would not."""
+    if limit_bytes is None:
+        return UNBOUNDED_MAX_BATCH_SIZE
+    return max(min_batch_size, (limit_bytes - baseline_bytes) // bytes_per_sample(workload.sample_batch))
+
+
+def _nothing_fits(trials: list[Trial], device: Device, limit_bytes: int | None) -> NoBatchFitsError:
+    smallest = min(t.batch_size for t in trials if not t.fits)
+    return NoBatchFitsError(
+        f"even batch size {smallest} does not fit on {device.name} (usable {format_bytes(limit_bytes)}): "
+        "use AMP, gradient checkpointing, a smaller model or sequence, or more memory",
+        trials,
+    )
+
+
+def search(
+    workload: Workload,
+    *,
+    device: DeviceSpec = None,
+    min_batch_size: int = 1,
+    max_batch_size: int | None = None,
+    strategy: str | Strategy = "auto",
+    margin: int | float | str = 0,
+    max_trials: int | None = None,
+    steps: int = 2,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> SearchResult:
+    """Find the largest batch size of ``workload`` that fits; see ``find_max_batch_size``."""
+    _check_bounds(min_batch_size, max_batch_size, max_trials)
+    chosen = make_strategy(strategy)
+    dev = resolve_device(device, workload.model)
+    capacity = dev.capacity_bytes()
+    limit = None if capacity is None else capacity - margin_bytes(margin, capacity)
+    trials: list[Trial] = []
+    start = time.perf_counter()
+    with Prober(workload, dev, steps=steps, limit_bytes=limit) as prober:
+        top = max_batch_size or _upper_bound(workload, limit, prober.baseline_bytes, min_batch_size)
+        space = SearchSpace(min_batch_size, top, limit)
+        while max_trials is None or len(trials) < max_trials:
+            batch_size = chosen.next(trials, space)
+            if batch_size is None:
+                break
+            _check_proposal(batch_size, trials, space, chosen)
+            trial = prober.probe(batch_size)
+            trials.append(trial)
+            logger.info(trial.describe(capacity))
+            if on_trial is not None:
+                on_trial(trial)
+    lo, hi = bracket(trials, space)
+    if lo < min_batch_size:
+        raise _nothing_fits(trials, dev, limit)
+    return SearchResult(
+        batch_size=lo,
+        trials=trials,
+        strategy=getattr(chosen, "name", type(chosen).__name__),
+        capacity_bytes=capacity,
+        limit_bytes=limit,
+        device=dev.name,
+        min_batch_size=min_batch_size,
+        max_batch_size=top,
+        exact=hi - lo == 1,
+        seconds=time.perf_counter() - start,
+        workload=workload.name,
+    )
+
+
+def _check_proposal(batch_size: int, trials: list[Trial], space: SearchSpace, strategy: Strategy) -> None:
+    tried = {t.batch_size for t in trials}
+    if batch_size in tried or not space.min_batch_size <= batch_size <= space.max_batch_size:
+        raise RuntimeError(f"strategy {strategy!r} proposed batch size {batch_size}, already tried or outside {space}")
+
+
+def find_max_batch_size(
+    model: torch.nn.Module,
+    sample_batch: Any,
+    *,
+    loss_fn: Callable | None = None,
+    optimizer: Any = None,
+    amp_dtype: torch.dtype | str | None = None,
+    device: DeviceSpec = None,
+    min_batch_size: int = 1,
+    max_batch_size: int | None = None,
+    strategy: str | Strategy = "auto",
+    margin: int | float | str = 0,
+    max_trials: int | None = None,
+    steps: int = 2,
+    mode: str = "train",
+    step_fn: Callable | None = None,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> SearchResult:
+    """The largest batch size that really fits: every answer is a size a trial ran.
+
+    Each trial runs ``steps`` (at least 2) full training steps (forward, loss, backward,
+    optimizer step, AMP if ``amp_dtype``) on a batch built from ``sample_batch``; an
+    out-of-memory error marks the size as failing and everything is restored. ``device=None``
+    probes where the model is; ``"sim:8GiB"`` or ``SimulatedDevice("8GiB")`` simulates a GPU on the
+    CPU. ``margin`` keeps headroom (bytes, ``"512MiB"`` or a fraction such as ``0.05``).
+    ``strategy``: ``auto`` (default), ``binary``, ``power``, ``grow``, ``halving``.
+
+    >>> import batchfit as bf
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    >>> batch = (torch.randn(4, 64), torch.randint(0, 10, (4,)))
+    >>> result = bf.find_max_batch_size(model, batch, loss_fn=torch.nn.functional.cross_entropy,
+    ...     optimizer=torch.optim.Adam(model.parameters()), device=bf.SimulatedDevice("2MiB"))
+    >>> result.batch_size > 0 and result.trials[-1].batch_size in (result.batch_size, result.batch_size + 1)
+    True
+    """
+    workload = Workload(
+        model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
+    )
+    return search(
+        workload,
+        device=device,
+        min_batch_size=min_batch_size,
+        max_batch_size=max_batch_size,
+        strategy=strategy,
+        margin=margin,
+        max_trials=max_trials,
+        steps=steps,
+        on_trial=on_trial,
+    )
+
+
+def probe_batch_size(
+    model: torch.nn.Module,
+    sample_batch: Any,
+    batch_size: int,
+    *,
+    loss_fn: Callable | None = None,
+    optimizer: Any = None,
+    amp_dtype: torch.dtype | str | None = None,
+    device: DeviceSpec = None,
+    margin: int | float | str = 0,
+    steps: int = 2,
+    mode: str = "train",
+    step_fn: Callable | None = None,
+) -> Trial:
+    """Run one trial at ``batch_size`` and return it; state is restored afterwards.
+
+    >>> model = torch.nn.Linear(8, 1)
+    >>> trial = probe_batch_size(model, torch.randn(2, 8), 16, loss_fn=lambda out, batch: out.mean(),
+    ...                          device="sim:1MiB")
+    >>> trial.fits, trial.steps
+    (True, 2)
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
+    workload = Workload(
+        model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
+    )
+    dev = resolve_device(device, workload.model)
+    capacity = dev.capacity_bytes()
+    limit = None if capacity is None else capacity - margin_bytes(margin, capacity)
+    with Prober(workload, dev, steps=steps, limit_bytes=limit) as prober:
+        trial = prober.probe(batch_size)
+    logger.info(trial.describe(capacity))
+    return trial

@@ -1,0 +1,49 @@
+"""Trial: the outcome of one probe at one batch size."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from batchfit.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One probe: did ``batch_size`` fit, at what peak, in how long.
+
+    ``peak_bytes`` is the absolute peak (model included) over all steps, ``None`` after an OOM;
+    ``phase_peak_bytes`` splits it by phase (``forward_backward``, ``optimizer``, ``forward``);
+    ``steps`` counts the full steps that completed; ``oom`` tells a real out-of-memory error from
+    a peak over the usable memory (capacity minus margin); ``held_bytes`` is what was live at the
+    start of the last step apart from the batch (parameters, buffers, optimizer state);
+    ``timeline`` holds the live bytes after every op, where the device records them.
+    """
+
+    batch_size: int
+    fits: bool
+    peak_bytes: int | None
+    seconds: float
+    error: str | None = None
+    phase_peak_bytes: Mapping[str, int] = field(default_factory=dict)
+    steps: int = 0
+    oom: bool = False
+    held_bytes: int | None = None
+    timeline: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["phase_peak_bytes"] = dict(self.phase_peak_bytes)
+        del data["timeline"]  # one number per op: for the memory model, too long for reports
+        return data
+
+    def describe(self, capacity_bytes: int | None = None) -> str:
+        """A log line in seed 002's style: ``✓ Batch size 19 fits (peak 3.1 GiB)``."""
+        if self.fits:
+            of = f" of {format_bytes(capacity_bytes)}" if capacity_bytes else ""
+            return (
+                f"✓ Batch size {self.batch_size} fits (peak {format_bytes(self.peak_bytes)}{of}, {self.seconds:.2f} s)"
+            )
+        reason = "out of memory" if self.oom else (self.error or "does not fit")
+        return f"✗ Batch size {self.batch_size}: {reason}"

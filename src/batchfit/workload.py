@@ -1,0 +1,176 @@
+"""Workload: the model, one sample batch, the loss, the optimizer and AMP, and how one step runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchfit.batching import batch_length, tensor_leaves
+
+MODES = ("train", "eval")
+AMP_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+StepFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+PhaseMark = Callable[[str], None]
+
+
+def _amp_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    if value is None or value in (torch.float16, torch.bfloat16):
+        return value
+    if isinstance(value, str) and value.lower() in AMP_DTYPES:
+        return AMP_DTYPES[value.lower()]
+    raise ValueError(f"amp_dtype must be torch.float16, torch.bfloat16, 'fp16', 'bf16' or None, got {value!r}")
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    own = {id(p) for p in model.parameters()}
+    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} parameter(s) that are not the model's: build it "
+            "from model.parameters() of the model you pass"
+        )
+
+
+@dataclass
+class Workload:
+    """What a probe runs: ``model``, one ``sample_batch``, ``loss_fn``, ``optimizer``, ``amp_dtype``.
+
+    Calling convention (as in seed 000): a sample ``(inputs, targets)`` runs
+    ``loss_fn(model(inputs), targets)``; a mapping runs ``model(**batch)`` and uses ``output.loss``
+    unless ``loss_fn(output, batch)`` is given; anything else runs ``model(batch)`` and
+    ``loss_fn(output, batch)``. ``step_fn(model, batch) -> loss`` overrides all of it.
+    ``optimizer`` may also be a factory ``params -> Optimizer``. ``mode="eval"`` runs the forward
+    pass only, under ``torch.no_grad()``.
+
+    >>> model = torch.nn.Linear(4, 2)
+    >>> work = Workload(model, (torch.randn(8, 4), torch.randint(0, 2, (8,))),
+    ...                 loss_fn=torch.nn.functional.cross_entropy,
+    ...                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> work.sample_length
+    8
+    """
+
+    model: torch.nn.Module
+    sample_batch: Any
+    loss_fn: LossFn | None = None
+    optimizer: torch.optim.Optimizer | OptimizerFactory | None = None
+    amp_dtype: torch.dtype | str | None = None
+    mode: str = "train"
+    step_fn: StepFn | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        self.amp_dtype = _amp_dtype(self.amp_dtype)
+        self.sample_length = batch_length(self.sample_batch)
+        if self.mode == "train" and not any(p.requires_grad for p in self.model.parameters()):
+            raise ValueError("the model has no parameters that require grad, so it cannot train: use mode='eval'")
+        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+            if not callable(self.optimizer):
+                raise TypeError("optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer")
+            self.optimizer = self.optimizer(self.model.parameters())
+        if self.optimizer is not None:
+            _check_optimizer(self.optimizer, self.model)
+        self.name = self.name or type(self.model).__name__
+
+    # -- what a step holds -------------------------------------------------------------------
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Tensors the workload holds between steps: parameters, buffers, grads, optimizer state."""
+        held = [*self.model.parameters(), *self.model.buffers()]
+        held += [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.optimizer is not None:
+            for entries in self.optimizer.state.values():
+                held += [v for v in entries.values() if isinstance(v, torch.Tensor)]
+        return held
+
+    def sample_bytes(self) -> int:
+        return sum(t.element_size() * t.numel() for t in tensor_leaves(self.sample_batch))
+
+    # -- running a step ------------------------------------------------------------------------
+
+    def _forward(self, batch: Any) -> Any:
+        """The loss (or, in eval mode without a loss, the output) for ``batch``."""
+        if self.step_fn is not None:
+            return self.step_fn(self.model, batch)
+        if isinstance(batch, Mapping):
+            output, targets = self.model(**batch), batch
+        elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+            output, targets = self.model(batch[0]), batch[1]
+        else:
+            output, targets = self.model(batch), batch
+        if self.loss_fn is not None:
+            return self.loss_fn(output, targets)
+        if self.mode == "eval":
+            return output
+        if isinstance(batch, Mapping):
+            return _loss_attribute(output)
+        raise ValueError("this batch needs a loss: pass loss_fn(output, targets) or step_fn(model, batch)")
+
+    def train_step(self, batch: Any, device_type: str, scaler: Any, mark: PhaseMark) -> None:
+        """One full step: forward, loss, backward (``mark("forward_backward")``), optimizer step."""
+        with _autocast(device_type, self.amp_dtype):
+            loss = self._forward(batch)
+        _check_loss(loss)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        del loss
+        mark("forward_backward")
+        if self.optimizer is None:
+            self.model.zero_grad(set_to_none=True)
+            return
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        mark("optimizer")
+
+    def eval_step(self, batch: Any, device_type: str, mark: PhaseMark) -> None:
+        """One forward pass under ``torch.no_grad()`` (``mark("forward")``)."""
+        self.model.eval()
+        with torch.no_grad(), _autocast(device_type, self.amp_dtype):
+            output = self._forward(batch)
+        del output
+        mark("forward")
+
+    def make_scaler(self, device_type: str) -> Any:
+        """A GradScaler for fp16 training where the device type has one, else ``None``."""
+        if self.mode != "train" or self.amp_dtype != torch.float16:
+            return None
+        try:
+            return torch.amp.GradScaler(device_type)
+        except (RuntimeError, ValueError):  # device type without a GradScaler
+            return None
+
+
+def _autocast(device_type: str, dtype: torch.dtype | None):
+    return torch.autocast(device_type=device_type, dtype=dtype, enabled=dtype is not None)
+
+
+def _loss_attribute(output: Any) -> Any:
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError(
+            "the model's output has no .loss: pass loss_fn(output, batch), or labels in the batch "
+            "(Hugging Face models compute the loss when given labels)"
+        )
+    return loss
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"the loss must be a tensor, got {type(loss).__name__}: return a scalar tensor from loss_fn")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"the loss must be a scalar, got shape {tuple(loss.shape)}: reduce it in loss_fn (e.g. .mean())"
+        )
