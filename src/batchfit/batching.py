@@ -58,7 +58,7 @@ def batch_length(batch: Any) -> int:
 
     Raises ``ValueError`` when there is no tensor or when the leading dimensions differ.
     """
-    lengths = {tuple(t.shape)[0] for t in tensor_leaves(batch) if t.dim() > 0}
+    lengths = {t.shape[0] for t in tensor_leaves(batch) if t.dim() > 0}
     if not lengths:
         raise ValueError(
             "the sample batch holds no tensor with a batch dimension: pass one real batch from "

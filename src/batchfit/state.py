@@ -73,7 +73,7 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, state: dict, groups: li
                 current[key] = _put_back(current.get(key), value, device)
             else:
                 current[key] = copy.deepcopy(saved)
-    for group, saved_group in zip(optimizer.param_groups, groups):
+    for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
         group.update(copy.deepcopy(saved_group))
 
 
