@@ -65,7 +65,7 @@ class Prober:
             _move_optimizer_state(work.optimizer, target)
         self._sample = move_batch(work.sample_batch, target)
         self.device.register([*work.state_tensors(), *tensor_leaves(self._sample)])
-        self.device.cleanup()
+        self.device.collect()
         self.baseline_bytes = self.device.live_bytes()
         self._check_capacity()
         return self
@@ -76,7 +76,7 @@ class Prober:
             self.workload.model.to(self._home)
         if self._snapshot is not None:
             self._snapshot.restore()
-        self.device.cleanup()
+        self.device.collect()
 
     def _check_capacity(self) -> None:
         limit = self.limit_bytes if self.limit_bytes is not None else self.device.capacity_bytes()
@@ -91,7 +91,6 @@ class Prober:
         """Run one trial at ``batch_size`` and put the state back."""
         if self._snapshot is None:
             raise RuntimeError("use Prober as a context manager: with Prober(...) as prober: prober.probe(8)")
-        self.device.cleanup()
         record = _Record()
         start = time.perf_counter()
         error = None
@@ -112,6 +111,7 @@ class Prober:
 
         def mark(phase: str) -> None:
             record.peaks[phase] = max(record.peaks.get(phase, 0), device.peak_bytes())
+            record.phase = _NEXT_PHASE.get(phase, "forward")
             device.reset_peak()
 
         with device.measuring():
@@ -129,16 +129,22 @@ class Prober:
             device.synchronize()
 
     def _reset(self) -> None:
+        """Restore the state and free what the trial left; a full collection only when needed
+        (after an OOM, tracebacks form reference cycles that hold activations: pytorch#82218)."""
         assert self._snapshot is not None
         self._snapshot.restore()
+        self.device.register(self.workload.state_tensors())  # tensors a restore had to re-create
         self.device.cleanup()
+        if self.device.live_bytes() > self.baseline_bytes:
+            self.device.collect()
 
     def _trial(self, batch_size: int, record: _Record, seconds: float, error: str | None) -> Trial:
         common = dict(phase_peak_bytes=record.peaks, steps=record.steps, held_bytes=record.held_bytes)
         if error is not None:
-            return Trial(batch_size, False, None, seconds, error, oom=True, **common)
-        timeline = self.device.timeline()
+            return Trial(batch_size, False, None, seconds, error, oom=True, failed_phase=record.phase, **common)
+        timeline, exact = self.device.timeline(), self.device.exact_timeline()
         common["timeline"] = tuple(timeline) if timeline else None
+        common["exact_timeline"] = tuple(exact) if exact else None
         peak = max(record.peaks.values())
         if self.limit_bytes is not None and peak > self.limit_bytes:
             over = (
@@ -155,3 +161,7 @@ class _Record:
     peaks: dict[str, int] = field(default_factory=dict)
     steps: int = 0
     held_bytes: int | None = None
+    phase: str = "forward"  # where the trial is now: the phase an OOM struck in
+
+
+_NEXT_PHASE = {"forward": "backward", "backward": "optimizer"}

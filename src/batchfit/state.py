@@ -109,7 +109,7 @@ class StateSnapshot:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None
     tensors: list[_SavedTensor] = field(default_factory=list)
-    grads: list[tuple[torch.Tensor, _SavedTensor | None]] = field(default_factory=list)
+    grads: list[tuple[torch.Tensor, tuple[torch.device, torch.Tensor] | None]] = field(default_factory=list)
     training: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
     optimizer_state: dict = field(default_factory=dict)
     optimizer_groups: list[dict] = field(default_factory=list)
@@ -120,7 +120,9 @@ class StateSnapshot:
         snapshot = cls(model, optimizer)
         params = list(model.parameters())
         snapshot.tensors = [_SavedTensor.of(t) for t in [*params, *model.buffers()]]
-        snapshot.grads = [(p, None if p.grad is None else _SavedTensor.of(p.grad)) for p in params]
+        # Only the gradient's place and host copy: holding the tensor itself would pin its
+        # device memory for as long as the snapshot lives.
+        snapshot.grads = [(p, None if p.grad is None else (p.grad.device, _host_copy(p.grad))) for p in params]
         snapshot.training = [(module, module.training) for module in model.modules()]
         if optimizer is not None:
             snapshot.optimizer_state, snapshot.optimizer_groups = _save_optimizer(optimizer)
@@ -133,7 +135,7 @@ class StateSnapshot:
             for saved in self.tensors:
                 saved.tensor.copy_(saved.value)
         for param, saved_grad in self.grads:
-            param.grad = None if saved_grad is None else _put_back(param.grad, saved_grad.value, saved_grad.device)
+            param.grad = None if saved_grad is None else _put_back(param.grad, saved_grad[1], saved_grad[0])
         for module, training in self.training:
             module.training = training
         if self.optimizer is not None:

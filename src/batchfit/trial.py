@@ -14,11 +14,13 @@ class Trial:
     """One probe: did ``batch_size`` fit, at what peak, in how long.
 
     ``peak_bytes`` is the absolute peak (model included) over all steps, ``None`` after an OOM;
-    ``phase_peak_bytes`` splits it by phase (``forward_backward``, ``optimizer``, ``forward``);
+    ``phase_peak_bytes`` splits it by phase (``forward``, ``backward``, ``optimizer``);
+    ``failed_phase`` names the phase an OOM struck in (``forward`` also covers building the batch);
     ``steps`` counts the full steps that completed; ``oom`` tells a real out-of-memory error from
     a peak over the usable memory (capacity minus margin); ``held_bytes`` is what was live at the
     start of the last step apart from the batch (parameters, buffers, optimizer state);
-    ``timeline`` holds the live bytes after every op, where the device records them.
+    ``timeline`` holds the live bytes after every op, where the device records them, and
+    ``exact_timeline`` the same before allocator rounding.
     """
 
     batch_size: int
@@ -31,11 +33,13 @@ class Trial:
     oom: bool = False
     held_bytes: int | None = None
     timeline: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    exact_timeline: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    failed_phase: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["phase_peak_bytes"] = dict(self.phase_peak_bytes)
-        del data["timeline"]  # one number per op: for the memory model, too long for reports
+        del data["timeline"], data["exact_timeline"]  # one number per op: for the memory model only
         return data
 
     def describe(self, capacity_bytes: int | None = None) -> str:
@@ -45,5 +49,5 @@ class Trial:
             return (
                 f"✓ Batch size {self.batch_size} fits (peak {format_bytes(self.peak_bytes)}{of}, {self.seconds:.2f} s)"
             )
-        reason = "out of memory" if self.oom else (self.error or "does not fit")
+        reason = f"out of memory in {self.failed_phase}" if self.oom else (self.error or "does not fit")
         return f"✗ Batch size {self.batch_size}: {reason}"

@@ -117,13 +117,15 @@ class Workload:
         raise ValueError("this batch needs a loss: pass loss_fn(output, targets) or step_fn(model, batch)")
 
     def train_step(self, batch: Any, device_type: str, scaler: Any, mark: PhaseMark) -> None:
-        """One full step: forward, loss, backward (``mark("forward_backward")``), optimizer step."""
+        """One full step, marking each phase's end: forward and loss (``mark("forward")``),
+        backward (``mark("backward")``), optimizer step and ``zero_grad`` (``mark("optimizer")``)."""
         with _autocast(device_type, self.amp_dtype):
             loss = self._forward(batch)
         _check_loss(loss)
+        mark("forward")
         (scaler.scale(loss) if scaler is not None else loss).backward()
         del loss
-        mark("forward_backward")
+        mark("backward")
         if self.optimizer is None:
             self.model.zero_grad(set_to_none=True)
             return

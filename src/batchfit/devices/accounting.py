@@ -35,16 +35,19 @@ class LiveBytes:
         self.rounding_bytes = rounding_bytes
         self.name = name
         self.live_bytes = 0
+        self.exact_live_bytes = 0  # without rounding: exactly linear in the batch size
         self.peak_bytes = 0
         self.timeline: list[int] = []
+        self.exact_timeline: list[int] = []
         self._refs: dict[int, weakref.ref] = {}
 
     def _rounded(self, nbytes: int) -> int:
         return -(-nbytes // self.rounding_bytes) * self.rounding_bytes
 
-    def _release(self, key: int, nbytes: int) -> None:
+    def _release(self, key: int, nbytes: int, exact_nbytes: int) -> None:
         if self._refs.pop(key, None) is not None:
             self.live_bytes -= nbytes
+            self.exact_live_bytes -= exact_nbytes
 
     def track(self, tensor: Any, *, enforce: bool = True) -> None:
         """Count ``tensor``'s storage if it is not counted yet; raise OOM past the limit."""
@@ -54,11 +57,13 @@ class LiveBytes:
         key = storage._cdata
         if key in self._refs:
             return
-        nbytes = self._rounded(storage.nbytes())
-        if nbytes == 0:
+        exact_nbytes = storage.nbytes()
+        if exact_nbytes == 0:
             return
-        self._refs[key] = weakref.ref(storage, lambda _ref, key=key, nbytes=nbytes: self._release(key, nbytes))
+        nbytes = self._rounded(exact_nbytes)
+        self._refs[key] = weakref.ref(storage, lambda _ref, k=key, n=nbytes, e=exact_nbytes: self._release(k, n, e))
         self.live_bytes += nbytes
+        self.exact_live_bytes += exact_nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         if enforce and self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
             raise torch.OutOfMemoryError(self._oom_message(nbytes))
@@ -81,8 +86,9 @@ class LiveBytes:
 
     def mode(self) -> TorchDispatchMode:
         """A dispatch mode that counts what every op reads and makes while it is active, and
-        appends the live bytes after each op to ``timeline`` (cleared here)."""
+        appends the live bytes after each op to ``timeline`` and ``exact_timeline`` (cleared here)."""
         self.timeline = []
+        self.exact_timeline = []
         return _CountingMode(self)
 
 
@@ -109,4 +115,5 @@ class _CountingMode(TorchDispatchMode):
         for tensor in _tensors_in(out):
             self.counter.track(tensor)
         self.counter.timeline.append(self.counter.live_bytes)
+        self.counter.exact_timeline.append(self.counter.exact_live_bytes)
         return out

@@ -16,7 +16,9 @@ class Device(Protocol):
 
     ``measuring()`` is active while a trial runs; peaks are absolute bytes (model included).
     ``timeline()`` gives the live bytes after each op of the last ``measuring()`` block, or
-    ``None`` where the device cannot record it.
+    ``None`` where the device cannot record it; ``exact_timeline()`` the same before allocator
+    rounding, where the device knows it. ``cleanup()`` frees what a trial left behind (young
+    garbage, cached blocks); ``collect()`` also runs a full garbage collection.
     """
 
     name: str
@@ -29,8 +31,10 @@ class Device(Protocol):
     def peak_bytes(self) -> int: ...
     def measuring(self) -> contextlib.AbstractContextManager: ...
     def timeline(self) -> list[int] | None: ...
+    def exact_timeline(self) -> list[int] | None: ...
     def register(self, tensors: Iterable[torch.Tensor]) -> None: ...
     def cleanup(self) -> None: ...
+    def collect(self) -> None: ...
     def synchronize(self) -> None: ...
 
 
@@ -61,11 +65,18 @@ class CountingDevice:
     def timeline(self) -> list[int]:
         return self.counter.timeline
 
+    def exact_timeline(self) -> list[int]:
+        return self.counter.exact_timeline
+
     def register(self, tensors: Iterable[torch.Tensor]) -> None:
         self.counter.track_all(tensors)
 
     def cleanup(self) -> None:
+        gc.collect(1)
+
+    def collect(self) -> None:
         gc.collect()
+        self.cleanup()
 
     def synchronize(self) -> None:
         return None

@@ -63,12 +63,19 @@ class CudaDevice:
     def timeline(self) -> list[int] | None:
         return self._timeline if self.record_timeline else None
 
+    def exact_timeline(self) -> None:
+        return None  # the allocator reports rounded blocks only
+
     def register(self, tensors: Iterable[torch.Tensor]) -> None:
         return None  # the allocator already counts every tensor on the device
 
     def cleanup(self) -> None:
-        gc.collect()
+        gc.collect(1)
         torch.cuda.empty_cache()
+
+    def collect(self) -> None:
+        gc.collect()
+        self.cleanup()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)

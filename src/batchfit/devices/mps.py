@@ -20,7 +20,7 @@ class MpsDevice(CountingDevice):
         return int(torch.mps.recommended_max_memory())
 
     def cleanup(self) -> None:
-        gc.collect()
+        gc.collect(1)
         torch.mps.empty_cache()
 
     def synchronize(self) -> None:

@@ -4,7 +4,7 @@ The live bytes after any one op of a step are a line in B (each tensor either sc
 batch or does not), so the peak is the maximum of one line per op. Two trials whose op
 sequences match give every line, kinks included: at small B the backward peak may be set by
 gradients and at large B by activations, which no single line through small trials sees. Where
-a device records no per-op timeline, one line per phase (forward/backward, optimizer) stands
+a device records no per-op timeline, one line per phase (forward, backward, optimizer) stands
 in; with a single trial, a conservative line treats everything above the held state as
 growing with the batch.
 """
@@ -30,8 +30,8 @@ def _least_squares_slope(points: Sequence[tuple[int, int]]) -> float:
 class MemoryModel:
     """Lines ``bytes(B) = anchor_bytes + slope_bytes * (B - anchor_batch_size)``; the peak is their max.
 
-    >>> trials = [Trial(1, True, 110, 0.1, phase_peak_bytes={"forward_backward": 110}),
-    ...           Trial(3, True, 130, 0.1, phase_peak_bytes={"forward_backward": 130})]
+    >>> trials = [Trial(1, True, 110, 0.1, phase_peak_bytes={"backward": 110}),
+    ...           Trial(3, True, 130, 0.1, phase_peak_bytes={"backward": 130})]
     >>> model = MemoryModel.fit(trials)
     >>> model.kind, model.max_batch_size(200)
     ('phases', 10)
@@ -59,10 +59,14 @@ class MemoryModel:
         if not partners:
             return None
         partner = partners[0]  # the farthest from the anchor: rounding noise matters least
-        top = np.asarray(anchor.timeline, dtype=float)
-        bottom = np.asarray(partner.timeline, dtype=float)
-        slopes = (top - bottom) / (anchor.batch_size - partner.batch_size)
-        return cls(anchor.batch_size, top, slopes, "timeline")
+        # Slopes from the unrounded bytes where the device has them: rounding to blocks can hide
+        # a small tensor's growth between two small batches entirely.
+        exact = anchor.exact_timeline is not None and partner.exact_timeline is not None
+        top, bottom = (anchor.exact_timeline, partner.exact_timeline) if exact else (anchor.timeline, partner.timeline)
+        slopes = (np.asarray(top, dtype=float) - np.asarray(bottom, dtype=float)) / (
+            anchor.batch_size - partner.batch_size
+        )
+        return cls(anchor.batch_size, np.asarray(anchor.timeline, dtype=float), slopes, "timeline")
 
     @classmethod
     def _from_phases(cls, fitted: list[Trial]) -> MemoryModel:

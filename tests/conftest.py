@@ -1,0 +1,41 @@
+"""Shared fixtures: the linear-scan ground truth, and memory freed between tests."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+
+import batchfit as bf
+from batchfit.probe import Prober
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from models import CASES, Case
+
+_TRUE_EDGES: dict[str, int] = {}
+
+
+def linear_scan_edge(case: Case) -> int:
+    """The true largest fitting batch size: probe 1, 2, 3, ... until the first failure."""
+    if case.name not in _TRUE_EDGES:
+        device = bf.SimulatedDevice(case.capacity)
+        with Prober(case.build(), device, limit_bytes=device.capacity_bytes()) as prober:
+            size = 1
+            while prober.probe(size).fits:
+                size += 1
+        _TRUE_EDGES[case.name] = size - 1
+    return _TRUE_EDGES[case.name]
+
+
+@pytest.fixture(params=CASES, ids=lambda case: case.name)
+def case(request) -> Case:
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _free_memory():
+    yield
+    gc.collect()

@@ -1,0 +1,155 @@
+"""After every probe and search, all state is bitwise as before: also after an OOM in forward,
+backward or the optimizer step, after another error, and after KeyboardInterrupt."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import batchfit as bf
+from batchfit.probe import Prober
+from models import cnn_bn, mlp_tuple
+
+
+def _train_a_little(work: bf.Workload) -> None:
+    """Give the state something to lose: optimizer steps taken, grads present, BN stats moved."""
+    inputs, targets = work.sample_batch
+    for _ in range(2):
+        work.optimizer.zero_grad()
+        work.loss_fn(work.model(inputs), targets).backward()
+        work.optimizer.step()
+    work.loss_fn(work.model(inputs), targets).backward()  # leave .grad populated
+    next(iter(work.model.children())).eval()  # a mixed train/eval model
+    torch.rand(3)
+    random.random()
+
+
+def _fingerprint(work: bf.Workload) -> dict:
+    model, optimizer = work.model, work.optimizer
+    return {
+        "tensors": [t.detach().clone() for t in [*model.parameters(), *model.buffers()]],
+        "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "optimizer": {
+            i: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in optimizer.state[p].items()}
+            for i, p in enumerate(model.parameters())
+            if p in optimizer.state
+        },
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "training": [m.training for m in model.modules()],
+        "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()),
+    }
+
+
+def _assert_same(before: dict, after: dict) -> None:
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor):
+            return (
+                isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+            )
+        if isinstance(a, np.ndarray):
+            return bool((a == b).all())
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+        return a == b
+
+    for key in before:
+        assert same(before[key], after[key]), f"{key} changed"
+
+
+def _trained(build) -> bf.Workload:
+    work = build()
+    _train_a_little(work)
+    return work
+
+
+def _phase_peaks(build, batch_size: int) -> dict[str, int]:
+    device = bf.SimulatedDevice("1GiB")
+    with Prober(_trained(build), device) as prober:
+        return dict(prober.probe(batch_size).phase_peak_bytes)
+
+
+@pytest.mark.parametrize("build", [mlp_tuple, cnn_bn], ids=["adam-mlp", "bn-cnn"])
+def test_oom_anywhere_in_the_step_restores_everything_bitwise(build):
+    """Capacities just under each phase's peak make the trial fail wherever memory first runs
+    out; after each, the state is bitwise as before and live bytes are back at the baseline."""
+    failed_in = set()
+    for batch_size in (2, 16):
+        for peak in _phase_peaks(build, batch_size).values():
+            work = _trained(build)
+            before = _fingerprint(work)
+            device = bf.SimulatedDevice(peak - 256)
+            with Prober(work, device, limit_bytes=device.capacity_bytes()) as prober:
+                trial = prober.probe(batch_size)
+                assert trial.oom and not trial.fits
+                assert device.live_bytes() == prober.baseline_bytes  # nothing left alive (pytorch#82218)
+                _assert_same(before, _fingerprint(work))
+            _assert_same(before, _fingerprint(work))
+            failed_in.add(trial.failed_phase)
+    PHASES_HIT[build.__name__] = failed_in
+
+
+PHASES_HIT: dict[str, set[str]] = {}
+
+
+def test_the_ooms_above_struck_in_forward_backward_and_the_optimizer_step():
+    for build in (mlp_tuple, cnn_bn):
+        if build.__name__ not in PHASES_HIT:
+            test_oom_anywhere_in_the_step_restores_everything_bitwise(build)
+    assert set().union(*PHASES_HIT.values()) == {"forward", "backward", "optimizer"}
+
+
+def test_a_whole_search_with_ooms_restores_everything_bitwise():
+    work = cnn_bn()
+    _train_a_little(work)
+    before = _fingerprint(work)
+    result = bf.search(work, device=bf.SimulatedDevice("400KiB"), strategy="binary", max_batch_size=64)
+    assert result.oom_trials >= 2
+    _assert_same(before, _fingerprint(work))
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("error", [Boom("inside the step"), KeyboardInterrupt(), RuntimeError("CUDA-free failure")])
+def test_other_errors_propagate_unchanged_after_restoring(error):
+    work = mlp_tuple()
+    _train_a_little(work)
+    before = _fingerprint(work)
+    calls = []
+
+    def failing_loss(output, targets):
+        calls.append(1)
+        if len(calls) == 2:  # in the second step, after the optimizer has stepped once
+            raise error
+        return torch.nn.functional.cross_entropy(output, targets)
+
+    work.loss_fn = failing_loss
+    device = bf.SimulatedDevice("1MiB")
+    with pytest.raises(type(error)) as info:
+        bf.search(work, device=device)
+    assert info.value is error
+    _assert_same(before, _fingerprint(work))
+
+
+def test_a_fresh_optimizer_is_left_without_state():
+    work = mlp_tuple()
+    bf.search(work, device=bf.SimulatedDevice("160KiB"))
+    assert len(work.optimizer.state) == 0
+    assert all(p.grad is None for p in work.model.parameters())
+
+
+def test_snapshots_live_in_host_memory_and_are_not_counted():
+    work = mlp_tuple()
+    device = bf.SimulatedDevice("1MiB")
+    with Prober(work, device) as prober:
+        held = sum(t.numel() * t.element_size() for t in work.state_tensors())
+        # parameters + the sample batch, rounded to 512-byte blocks; no copy of them
+        assert held <= prober.baseline_bytes < 2 * held

@@ -1,0 +1,136 @@
+"""Strategies against plain fits(b) functions: exact sequences from the seeds, and properties."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchfit.search.strategies import STRATEGIES, Auto, Binary, Grow, Halving, Power, SearchSpace, make_strategy
+from strategy_harness import linear_peak, run_strategy
+
+
+def below(edge: int):
+    return lambda b: b <= edge
+
+
+def test_binary_follows_seed_000_bisection():
+    # seed 000: low=1, high=512, mid=(low+high)//2; fits -> low=mid+1, OOM -> high=mid-1
+    sizes, answer = run_strategy(Binary(), SearchSpace(1, 512), below(100))
+    assert sizes == [256, 128, 64, 96, 112, 104, 100, 102, 101]
+    assert answer == 100
+
+
+def test_power_doubles_then_bisects_like_lightning_binsearch():
+    sizes, answer = run_strategy(Power(), SearchSpace(1, 1024), below(100))
+    assert sizes == [1, 2, 4, 8, 16, 32, 64, 128, 96, 112, 104, 100, 102, 101]
+    assert answer == 100
+
+
+def test_grow_scenario_a_of_seed_002_grows_by_half_to_the_cap():
+    sizes, answer = run_strategy(Grow(start=19), SearchSpace(1, 64), below(64))
+    assert sizes == [19, 28, 42, 63, 64]
+    assert answer == 64
+
+
+def test_grow_scenario_b_of_seed_002_halves_then_bisects():
+    sizes, answer = run_strategy(Grow(start=19), SearchSpace(1, 64), below(16))
+    assert sizes[:4] == [19, 9, 14, 16]  # the seed's own sequence
+    assert sizes == [19, 9, 14, 16, 17]
+    assert answer == 16
+
+
+def test_grow_scenario_c_of_seed_002_bisects_after_the_first_failure():
+    sizes, answer = run_strategy(Grow(start=19), SearchSpace(1, 64), below(24))
+    assert sizes[:3] == [19, 28, 23]  # the seed's own sequence
+    assert sizes == [19, 28, 23, 25, 24]
+    assert answer == 24
+
+
+def test_halving_backs_off_from_the_top_then_bisects_up():
+    sizes, answer = run_strategy(Halving(), SearchSpace(1, 128), below(40))
+    assert sizes == [128, 64, 32, 48, 40, 44, 42, 41]
+    assert answer == 40
+
+
+def test_auto_jumps_to_the_edge_of_a_linear_memory_and_verifies_it():
+    space = SearchSpace(1, 10_000, limit_bytes=1_000_000)
+    peak = linear_peak(100_000, 3_000)  # edge: (1e6 - 1e5) / 3e3 = 300
+    # Unknown held bytes: the one-point line treats all 103 kB at b=1 as per-sample (safe), so the
+    # second probe is 9; the two-point line then lands on the edge.
+    sizes, answer = run_strategy(Auto(), space, lambda b: peak(b) <= 1_000_000, peak)
+    assert sizes == [1, 9, 300, 301]
+    assert answer == 300
+    # Known held bytes (what a device reports): the one-point line is already exact.
+    sizes, answer = run_strategy(Auto(), space, lambda b: peak(b) <= 1_000_000, peak, held_bytes=100_000)
+    assert sizes == [1, 300, 301]
+
+
+def test_auto_stops_at_the_cap_when_the_cap_fits():
+    space = SearchSpace(1, 50, limit_bytes=1_000_000)
+    peak = linear_peak(100_000, 3_000)
+    sizes, answer = run_strategy(Auto(), space, lambda b: peak(b) <= 1_000_000, peak, held_bytes=100_000)
+    assert sizes == [1, 50]
+    assert answer == 50
+
+
+def test_auto_falls_back_to_bisection_when_memory_is_not_linear():
+    space = SearchSpace(1, 4096, limit_bytes=10**9)
+    peak = lambda b: 1_000 * b**2  # noqa: E731  quadratic: every linear jump overshoots
+    sizes, answer = run_strategy(Auto(), space, lambda b: peak(b) <= 10**9, peak)
+    assert answer == 1000
+    assert len(sizes) <= 20
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_nothing_fits_gives_no_answer(name):
+    sizes, answer = run_strategy(make_strategy(name), SearchSpace(1, 64, 1000), lambda b: False, lambda b: 10**6)
+    assert answer is None
+    assert 1 in sizes
+
+
+def test_make_strategy_rejects_unknown_names_and_objects():
+    with pytest.raises(ValueError, match=r"unknown strategy 'fastest'.*auto"):
+        make_strategy("fastest")
+    with pytest.raises(TypeError, match="next"):
+        make_strategy(42)
+    with pytest.raises(ValueError, match="factor"):
+        Grow(factor=1.0)
+
+
+@st.composite
+def search_problems(draw):
+    low = draw(st.integers(1, 50))
+    high = draw(st.integers(low, 3000))
+    edge = draw(st.one_of(st.integers(0, low - 1), st.integers(low, high), st.just(high), st.integers(high, 5000)))
+    base = draw(st.integers(0, 10**6))
+    per_sample = draw(st.integers(1, 10**5))
+    return low, high, edge, base, per_sample
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@settings(max_examples=150, deadline=None)
+@given(problem=search_problems())
+def test_every_strategy_finds_the_true_edge_and_only_returns_tested_sizes(name, problem):
+    low, high, edge, base, per_sample = problem
+    limit = base + per_sample * edge  # memory is linear and the threshold is exactly at `edge`
+    peak = linear_peak(base, per_sample)
+    sizes, answer = run_strategy(make_strategy(name), SearchSpace(low, high, limit), below(edge), peak)
+    truth = min(edge, high) if edge >= low else None
+    assert answer == truth
+    if answer is not None:
+        assert answer in sizes
+        assert answer == high or answer + 1 in sizes  # the edge is confirmed, not assumed
+
+
+@settings(max_examples=150, deadline=None)
+@given(problem=search_problems(), bumps=st.lists(st.integers(0, 5000), max_size=8))
+def test_auto_finds_the_edge_when_the_memory_model_is_wrong(problem, bumps):
+    low, high, edge, base, per_sample = problem
+    # Peaks that are not linear (allocator steps at arbitrary sizes); the fits oracle is monotone.
+    peak = lambda b: base + per_sample * b + sum(50_000 for bump in bumps if b >= bump)  # noqa: E731
+    limit = peak(edge) if edge >= 0 else 0
+    fits = lambda b: peak(b) <= limit  # noqa: E731
+    _sizes, answer = run_strategy(Auto(), SearchSpace(low, high, limit), fits, peak)
+    truth = max((b for b in range(low, high + 1) if fits(b)), default=None)
+    assert answer == truth
