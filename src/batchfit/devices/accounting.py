@@ -49,34 +49,36 @@ class LiveBytes:
             self.live_bytes -= nbytes
             self.exact_live_bytes -= exact_nbytes
 
-    def track(self, tensor: Any, *, enforce: bool = True) -> None:
-        """Count ``tensor``'s storage if it is not counted yet; raise OOM past the limit."""
+    def track(self, tensor: Any) -> int:
+        """Count ``tensor``'s storage if it is not counted yet; return the bytes it added."""
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
-            return
+            return 0
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key in self._refs:
-            return
+            return 0
         exact_nbytes = storage.nbytes()
         if exact_nbytes == 0:
-            return
+            return 0
         nbytes = self._rounded(exact_nbytes)
         self._refs[key] = weakref.ref(storage, lambda _ref, k=key, n=nbytes, e=exact_nbytes: self._release(k, n, e))
         self.live_bytes += nbytes
         self.exact_live_bytes += exact_nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        if enforce and self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
-            raise torch.OutOfMemoryError(self._oom_message(nbytes))
+        return nbytes
 
     def track_all(self, tensors: Iterable[Any]) -> None:
         """Count tensors that existed before the trial (parameters, buffers, optimizer state)."""
         for tensor in tensors:
-            self.track(tensor, enforce=False)
+            self.track(tensor)
+
+    def over_limit(self) -> bool:
+        return self.limit_bytes is not None and self.live_bytes > self.limit_bytes
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 
-    def _oom_message(self, nbytes: int) -> str:
+    def oom_message(self, nbytes: int) -> str:
         return (
             f"{self.name} out of memory: tried to allocate {format_bytes(nbytes)} with "
             f"{format_bytes(self.live_bytes - nbytes)} live of {format_bytes(self.limit_bytes)} "
@@ -107,13 +109,16 @@ class _CountingMode(TorchDispatchMode):
         self.counter = counter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        counter = self.counter
         for arg in args:
             for tensor in _tensors_in(arg):
-                self.counter.track(tensor, enforce=False)
-        out = func(*args, **kwargs)
-        for tensor in _tensors_in(out):
-            self.counter.track(tensor)
-        self.counter.timeline.append(self.counter.live_bytes)
-        self.counter.exact_timeline.append(self.counter.exact_live_bytes)
+                counter.track(tensor)
+        out = func(*args, **(kwargs or {}))
+        requested = sum(counter.track(tensor) for tensor in _tensors_in(out))
+        if counter.over_limit():
+            message = counter.oom_message(requested)
+            del out  # a real allocator never hands out the block: nothing may keep it alive
+            raise torch.OutOfMemoryError(message)
+        counter.timeline.append(counter.live_bytes)
+        counter.exact_timeline.append(counter.exact_live_bytes)
         return out

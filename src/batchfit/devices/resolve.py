@@ -25,8 +25,12 @@ def model_device(model: torch.nn.Module) -> torch.device:
 def from_torch_device(device: torch.device) -> Device:
     """The batchfit Device for a ``torch.device``."""
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"CUDA is not available on this machine: {DEVICE_HELP}")
         return CudaDevice(device.index)
     if device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"MPS is not available on this machine: {DEVICE_HELP}")
         return MpsDevice()
     if device.type == "cpu":
         return CpuDevice()

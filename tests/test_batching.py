@@ -1,0 +1,90 @@
+"""Batches of any nesting, resized by cycling rows."""
+
+from __future__ import annotations
+
+from collections import UserDict, namedtuple
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from batchfit.batching import batch_length, bytes_per_sample, resize_batch, tensor_leaves
+
+Pair = namedtuple("Pair", ["inputs", "labels"])
+
+
+@dataclass
+class Features:
+    pixels: torch.Tensor
+    mask: torch.Tensor
+    source: str = "camera"
+
+
+class Encoding(UserDict):
+    """Behaves like Hugging Face's BatchEncoding: a UserDict of tensors."""
+
+
+def rows(n: int, width: int = 2) -> torch.Tensor:
+    return torch.arange(n * width).reshape(n, width)
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        (rows(3), torch.arange(3)),
+        [rows(3), torch.arange(3)],
+        {"x": rows(3), "y": torch.arange(3)},
+        Pair(rows(3), torch.arange(3)),
+        Features(rows(3), torch.ones(3, 4), "scanner"),
+        Encoding(input_ids=rows(3), attention_mask=torch.ones(3, 2)),
+        {"outer": [(rows(3), {"deep": torch.arange(3)})], "meta": "keep me", "scale": torch.tensor(2.0)},
+    ],
+    ids=["tuple", "list", "dict", "namedtuple", "dataclass", "batch-encoding", "nested"],
+)
+def test_any_nesting_is_resized_with_rows_cycled(batch):
+    resized = resize_batch(batch, 7)
+    assert type(resized) is type(batch)
+    assert batch_length(resized) == 7
+    cycle = torch.arange(7) % 3
+    for before, after in zip(tensor_leaves(batch), tensor_leaves(resized), strict=True):
+        if before.dim() == 0:
+            assert after is before  # scalars are not batched
+        else:
+            assert torch.equal(after, before[cycle])
+
+
+def test_non_tensor_leaves_are_kept():
+    resized = resize_batch(Features(rows(2), torch.ones(2, 1), "scanner"), 5)
+    assert resized.source == "scanner"
+    nested = resize_batch({"x": rows(2), "meta": "keep me"}, 3)
+    assert nested["meta"] == "keep me"
+
+
+def test_shrinking_takes_the_first_rows():
+    assert resize_batch(torch.arange(10), 4).tolist() == [0, 1, 2, 3]
+
+
+def test_bytes_per_sample_counts_every_batched_tensor():
+    batch = {"x": torch.zeros(4, 8), "y": torch.zeros(4, dtype=torch.int64), "s": torch.tensor(1.0)}
+    assert bytes_per_sample(batch) == 8 * 4 + 8
+
+
+def test_real_batch_encoding_if_transformers_is_installed():
+    transformers = pytest.importorskip("transformers")
+    encoding = transformers.BatchEncoding({"input_ids": rows(2), "attention_mask": torch.ones(2, 2)})
+    resized = resize_batch(encoding, 5)
+    assert isinstance(resized, transformers.BatchEncoding) and resized["input_ids"].shape == (5, 2)
+
+
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        ({"text": "no tensors here"}, "holds no tensor"),
+        ((torch.zeros(3, 2), torch.zeros(4)), r"different batch lengths \[3, 4\]"),
+        (torch.zeros(0, 3), "empty"),
+        (torch.tensor(1.0), "holds no tensor"),
+    ],
+)
+def test_bad_batches_name_the_fix(batch, message):
+    with pytest.raises(ValueError, match=message):
+        batch_length(batch)

@@ -1,0 +1,157 @@
+"""Devices: the simulated accounting, device resolution, and CUDA/MPS logic without the hardware."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import batchfit as bf
+from batchfit.devices.accounting import PEER_OOM_WORDING, LiveBytes
+from batchfit.devices.cuda import CudaDevice
+from batchfit.devices.mps import MpsDevice
+
+
+def test_capacity_accepts_ints_and_size_strings():
+    assert bf.SimulatedDevice(1000).capacity_bytes() == 1000
+    assert bf.SimulatedDevice("512MiB").capacity_bytes() == 512 * 2**20
+    assert bf.SimulatedDevice("1.5GB").capacity_bytes() == 1_500_000_000
+    assert bf.SimulatedDevice("8 GiB").capacity_bytes() == 8 * 2**30
+
+
+@pytest.mark.parametrize("bad", ["lots", "8 gigs", "-1GiB", "", "0"])
+def test_bad_capacity_strings_name_the_fix(bad):
+    with pytest.raises(ValueError, match="512MiB|positive"):
+        bf.SimulatedDevice(bad)
+
+
+def test_bad_capacity_types_are_type_errors():
+    with pytest.raises(TypeError, match="8GiB"):
+        bf.SimulatedDevice(8.5)
+
+
+def test_live_bytes_count_each_storage_once_and_drop_when_freed():
+    counter = LiveBytes(rounding_bytes=1)
+    with counter.mode():
+        a = torch.ones(100)  # 400 bytes
+        view = a[10:20]
+        b = a * 2
+        assert counter.live_bytes == 800
+        del b
+        assert counter.live_bytes == 400
+        view.add_(1)  # in place on a view: no new storage
+        assert counter.live_bytes == 400
+    del a, view
+    assert counter.live_bytes == 0
+    assert counter.peak_bytes == 800
+
+
+def test_rounding_mimics_the_cuda_allocator_blocks():
+    counter = LiveBytes(rounding_bytes=512)
+    with counter.mode():
+        small = torch.ones(3)  # 12 bytes -> one 512-byte block
+        large = torch.ones(200)  # 800 bytes -> 1024
+        assert counter.live_bytes == 512 + 1024
+        assert counter.exact_live_bytes == 12 + 800
+        del small, large
+
+
+def test_pre_existing_tensors_count_against_the_capacity():
+    device = bf.SimulatedDevice(4096, rounding_bytes=1)
+    weights = torch.zeros(768)  # 3072 bytes, made before the trial
+    device.register([weights])
+    assert device.live_bytes() == 3072
+    with pytest.raises(torch.OutOfMemoryError) as info, device.measuring():
+        torch.ones(512)  # 2048 more: 5120 > 4096
+    message = str(info.value)
+    assert "tried to allocate 2.0 KiB with 3.0 KiB live of 4.0 KiB" in message
+    assert "5120 bytes requested in all, limit 4096 bytes" in message
+    assert PEER_OOM_WORDING in message  # Lightning and accelerate match this wording
+    assert bf.is_oom(info.value)
+    assert device.live_bytes() == 3072  # the failed block is gone, though the traceback is alive
+
+
+def test_the_timeline_records_live_bytes_after_every_op():
+    device = bf.SimulatedDevice(10_000, rounding_bytes=1)
+    with device.measuring():
+        a = torch.ones(10)
+        b = a + 1
+        del a
+        c = b * 2
+    assert device.timeline() == [40, 80, 80]  # after `b*2`, `a` is gone and `c` is live
+    del b, c
+
+
+def test_resolve_device_reads_strings_and_the_models_place():
+    model = torch.nn.Linear(2, 2)
+    assert isinstance(bf.devices.resolve_device(None, model), bf.CpuDevice)
+    assert isinstance(bf.devices.resolve_device("cpu", model), bf.CpuDevice)
+    sim = bf.devices.resolve_device("sim:8GiB", model)
+    assert isinstance(sim, bf.SimulatedDevice) and sim.capacity_bytes() == 8 * 2**30
+    assert bf.devices.resolve_device(sim, model) is sim
+    assert bf.CpuDevice().capacity_bytes() > 0
+
+
+@pytest.mark.parametrize("spec", ["tpu:0", "gpu", "sim:lots"])
+def test_unknown_devices_name_the_fix(spec):
+    with pytest.raises(ValueError, match="sim:|512MiB"):
+        bf.devices.resolve_device(spec, torch.nn.Linear(2, 2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
+def test_cuda_without_cuda_names_the_fix():
+    with pytest.raises(ValueError, match="CUDA is not available.*sim:CAPACITY"):
+        bf.devices.resolve_device("cuda:0", torch.nn.Linear(2, 2))
+
+
+class FakeCuda:
+    """Stands in for torch.cuda's memory functions, recording the calls."""
+
+    def __init__(self):
+        self.calls = []
+        self.allocated = 1000
+
+    def patch(self, monkeypatch):
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(cuda, "mem_get_info", lambda device: (6000, 8000))
+        monkeypatch.setattr(cuda, "memory_reserved", lambda device: 1500)
+        monkeypatch.setattr(cuda, "memory_allocated", self.memory_allocated)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device: 4321)
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device: self.calls.append(("reset", device)))
+        monkeypatch.setattr(cuda, "empty_cache", lambda: self.calls.append(("empty_cache",)))
+        monkeypatch.setattr(cuda, "synchronize", lambda device: self.calls.append(("sync", device)))
+
+    def memory_allocated(self, device):
+        self.allocated += 10
+        return self.allocated
+
+
+def test_cuda_device_reads_the_caching_allocator(monkeypatch):
+    fake = FakeCuda()
+    fake.patch(monkeypatch)
+    device = CudaDevice(1)
+    assert device.name == "cuda:1" and device.torch_device == torch.device("cuda", 1)
+    assert device.capacity_bytes() == 6000 + 1500  # free memory plus this process's cache
+    device.reset_peak()
+    assert device.peak_bytes() == 4321
+    device.cleanup()
+    device.synchronize()
+    assert fake.calls == [("reset", torch.device("cuda", 1)), ("empty_cache",), ("sync", torch.device("cuda", 1))]
+    assert device.exact_timeline() is None
+
+
+def test_cuda_device_records_allocated_bytes_after_every_op(monkeypatch):
+    fake = FakeCuda()
+    fake.patch(monkeypatch)
+    device = CudaDevice(0)
+    with device.measuring():  # CPU ops stand in for CUDA ones: the mode reads the allocator after each
+        x = torch.ones(3)
+        y = x + 1
+        del x, y
+    assert device.timeline() == [1010, 1020]
+    assert CudaDevice(0, record_timeline=False).timeline() is None
+
+
+def test_mps_capacity_is_metals_recommended_working_set(monkeypatch):
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 12 * 2**30)
+    assert MpsDevice().capacity_bytes() == 12 * 2**30
