@@ -65,7 +65,7 @@ class Prober:
             _move_optimizer_state(work.optimizer, target)
         self._sample = move_batch(work.sample_batch, target)
         self.device.register([*work.state_tensors(), *tensor_leaves(self._sample)])
-        self.device.collect()
+        self.device.cleanup()
         self.baseline_bytes = self.device.live_bytes()
         self._check_capacity()
         return self
@@ -76,7 +76,7 @@ class Prober:
             self.workload.model.to(self._home)
         if self._snapshot is not None:
             self._snapshot.restore()
-        self.device.collect()
+        self.device.cleanup()
 
     def _check_capacity(self) -> None:
         limit = self.limit_bytes if self.limit_bytes is not None else self.device.capacity_bytes()

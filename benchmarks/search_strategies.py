@@ -1,0 +1,163 @@
+"""Benchmark: every search strategy on the same workloads and simulated capacities.
+
+For each (workload, capacity): the true largest batch (a linear scan, cached in
+benchmarks/true_edges.json so it is computed once), then per strategy: the size found,
+found/true, trials, OOM trials, training steps executed and wall seconds. Writes
+benchmarks/SEARCH.md and benchmarks/search.json.
+
+    make bench            # or: python benchmarks/search_strategies.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import batchfit as bf
+from batchfit.examples import cnn_small, gpt_tiny, mlp
+from batchfit.probe import Prober
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+from models import cnn_bn, dict_model, mlp_tuple, transformer  # noqa: E402
+
+CAP = 512  # seed 000's max_batch_size, given to every strategy alike
+STRATEGIES = ["auto", "power", "binary", "grow", "halving"]
+WORKLOADS: list[tuple[str, Callable[[], bf.Workload], list[str]]] = [
+    ("mlp (tuple, Adam)", mlp_tuple, ["160KiB", "192KiB", "256KiB"]),
+    ("cnn (BatchNorm, SGD)", cnn_bn, ["400KiB", "1MiB", "2MiB"]),
+    ("transformer (AdamW)", transformer, ["1MiB", "2MiB", "4MiB"]),
+    ("dict model (Adam)", dict_model, ["160KiB", "224KiB", "320KiB"]),
+    ("gpt-tiny (built-in)", gpt_tiny, ["40MiB"]),
+    ("cnn-small (built-in)", cnn_small, ["40MiB"]),
+    ("mlp (built-in)", mlp, ["7.5MiB"]),
+]
+
+
+def atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def true_edge(build: Callable[[], bf.Workload], capacity: str) -> int:
+    """Linear scan: probe 1, 2, 3, ... until the first failure (monotone by construction)."""
+    device = bf.SimulatedDevice(capacity)
+    with Prober(build(), device, limit_bytes=device.capacity_bytes()) as prober:
+        size = 1
+        while size <= CAP and prober.probe(size).fits:
+            size += 1
+    return size - 1
+
+
+def cached_true_edges() -> dict[str, int]:
+    path = HERE / "true_edges.json"
+    edges = json.loads(path.read_text()) if path.exists() else {}
+    changed = False
+    for _name, build, capacities in WORKLOADS:
+        for capacity in capacities:
+            key = f"{build.__module__}.{build.__name__}@{capacity}/torch{torch.__version__}"
+            if key not in edges:
+                print(f"linear scan for {key} ...", flush=True)
+                edges[key] = true_edge(build, capacity)
+                changed = True
+    if changed:
+        atomic_write(path, json.dumps(edges, indent=1, sort_keys=True) + "\n")
+    return edges
+
+
+def run() -> list[dict]:
+    edges = cached_true_edges()
+    rows = []
+    for name, build, capacities in WORKLOADS:
+        for capacity in capacities:
+            truth = edges[f"{build.__module__}.{build.__name__}@{capacity}/torch{torch.__version__}"]
+            for strategy in STRATEGIES:
+                result = bf.search(build(), device=bf.SimulatedDevice(capacity), strategy=strategy, max_batch_size=CAP)
+                rows.append(
+                    {
+                        "workload": name,
+                        "capacity": capacity,
+                        "strategy": strategy,
+                        "true": truth,
+                        "found": result.batch_size,
+                        "trials": len(result.trials),
+                        "oom_trials": result.oom_trials,
+                        "steps": result.steps,
+                        "seconds": result.seconds,
+                        "sizes": [t.batch_size for t in result.trials],
+                    }
+                )
+                print(
+                    f"{name:24} {capacity:>7} {strategy:8} {result.batch_size:4}/{truth:<4} {len(result.trials):2} trials",
+                    flush=True,
+                )
+    return rows
+
+
+def summary(rows: list[dict]) -> list[str]:
+    lines = [
+        "| strategy | exact | median trials | worst trials | median OOM trials | median time vs auto |",
+        "|---|---|---|---|---|---|",
+    ]
+    auto_time = {(r["workload"], r["capacity"]): r["seconds"] for r in rows if r["strategy"] == "auto"}
+    for strategy in STRATEGIES:
+        mine = [r for r in rows if r["strategy"] == strategy]
+        exact = sum(r["found"] == r["true"] for r in mine)
+        ratio = statistics.median(r["seconds"] / auto_time[(r["workload"], r["capacity"])] for r in mine)
+        lines.append(
+            f"| {strategy} | {exact}/{len(mine)} | {statistics.median(r['trials'] for r in mine):g} | "
+            f"{max(r['trials'] for r in mine)} | {statistics.median(r['oom_trials'] for r in mine):g} | {ratio:.2f}x |"
+        )
+    return lines
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| workload | capacity | strategy | found/true | trials | OOM | steps | seconds | sizes tried |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['capacity']} | {r['strategy']} | {r['found']}/{r['true']} | {r['trials']} | "
+            f"{r['oom_trials']} | {r['steps']} | {r['seconds']:.2f} | {' '.join(map(str, r['sizes']))} |"
+        )
+    return lines
+
+
+def main() -> None:
+    rows = run()
+    text = "\n".join(
+        [
+            "# Search strategies side by side",
+            "",
+            f"Generated by `make bench` (`python benchmarks/search_strategies.py`) with torch {torch.__version__} on "
+            f"{os.cpu_count()} CPU cores, on `SimulatedDevice` (real CPU compute, 512-byte allocator rounding). "
+            f"Every strategy gets `max_batch_size={CAP}` (seed 000's cap). `true` is a linear scan. Wall times are "
+            "one run each on a shared machine: read them as ratios, not absolutes.",
+            "",
+            "## Summary",
+            "",
+            *summary(rows),
+            "",
+            "## Every run",
+            "",
+            *table(rows),
+            "",
+        ]
+    )
+    atomic_write(HERE / "SEARCH.md", text)
+    atomic_write(HERE / "search.json", json.dumps(rows, indent=1) + "\n")
+    print("\n".join(summary(rows)))
+
+
+if __name__ == "__main__":
+    main()
