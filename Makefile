@@ -13,13 +13,14 @@ $(BIN)/python:
 # torch is pinned to the local CPU wheel first, so the project's `torch>=2.2` installs nothing more.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,plot]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# The main job on the built-in workload: on a GPU if there is one, else on a simulated device.
 demo: $(STAMP)
-	$(BIN)/python -m batchfit.demo
+	$(BIN)/batchfit find gpt-tiny --plot batchfit-demo.png --json batchfit-demo.json
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -14,7 +14,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 import batchfit as bf
 from batchfit.examples import cnn_small, gpt_tiny, mlp
+from batchfit.files import atomic_write_text
 from batchfit.probe import Prober
 
 HERE = Path(__file__).parent
@@ -39,13 +39,6 @@ WORKLOADS: list[tuple[str, Callable[[], bf.Workload], list[str]]] = [
     ("cnn-small (built-in)", cnn_small, ["40MiB"]),
     ("mlp (built-in)", mlp, ["7.5MiB"]),
 ]
-
-
-def atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
 
 
 def true_edge(build: Callable[[], bf.Workload], capacity: str) -> int:
@@ -70,7 +63,7 @@ def cached_true_edges() -> dict[str, int]:
                 edges[key] = true_edge(build, capacity)
                 changed = True
     if changed:
-        atomic_write(path, json.dumps(edges, indent=1, sort_keys=True) + "\n")
+        atomic_write_text(path, json.dumps(edges, indent=1, sort_keys=True) + "\n")
     return edges
 
 
@@ -154,8 +147,8 @@ def main() -> None:
             "",
         ]
     )
-    atomic_write(HERE / "SEARCH.md", text)
-    atomic_write(HERE / "search.json", json.dumps(rows, indent=1) + "\n")
+    atomic_write_text(HERE / "SEARCH.md", text)
+    atomic_write_text(HERE / "search.json", json.dumps(rows, indent=1) + "\n")
     print("\n".join(summary(rows)))
 
 

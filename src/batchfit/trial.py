@@ -43,11 +43,11 @@ class Trial:
         return data
 
     def describe(self, capacity_bytes: int | None = None) -> str:
-        """A log line in seed 002's style: ``✓ Batch size 19 fits (peak 3.1 GiB)``."""
+        """A log line in seed 002's style: ``✓ Batch size 28 fits — peak 5.2 GiB of 8.0 GiB (0.4 s)``."""
         if self.fits:
             of = f" of {format_bytes(capacity_bytes)}" if capacity_bytes else ""
             return (
-                f"✓ Batch size {self.batch_size} fits (peak {format_bytes(self.peak_bytes)}{of}, {self.seconds:.2f} s)"
+                f"✓ Batch size {self.batch_size} fits — peak {format_bytes(self.peak_bytes)}{of} ({self.seconds:.1f} s)"
             )
         reason = f"out of memory in {self.failed_phase}" if self.oom else (self.error or "does not fit")
         return f"✗ Batch size {self.batch_size}: {reason}"

@@ -10,7 +10,17 @@ from batchfit.devices.cuda import CudaDevice
 from batchfit.devices.mps import MpsDevice
 from batchfit.devices.simulated import SimulatedDevice
 
-DEVICE_HELP = "use 'cpu', 'cuda', 'cuda:N', 'mps', 'sim:CAPACITY' (e.g. 'sim:8GiB') or a batchfit Device"
+DEVICE_HELP = "use 'auto', 'cpu', 'cuda', 'cuda:N', 'mps', 'sim:CAPACITY' (e.g. 'sim:8GiB') or a batchfit Device"
+DEFAULT_SIMULATED_CAPACITY = "256MiB"  # small enough that a demo on two CPU cores takes seconds
+
+
+def auto_device(simulated_capacity: int | str = DEFAULT_SIMULATED_CAPACITY) -> Device:
+    """A GPU if there is one (CUDA, then MPS), else a simulated device of ``simulated_capacity``."""
+    if torch.cuda.is_available():
+        return CudaDevice()
+    if torch.backends.mps.is_available():
+        return MpsDevice()
+    return SimulatedDevice(simulated_capacity)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -38,8 +48,10 @@ def from_torch_device(device: torch.device) -> Device:
 
 
 def from_string(spec: str) -> Device:
-    """Parse ``"cpu"``, ``"cuda:0"``, ``"mps"`` or ``"sim:8GiB"``."""
+    """Parse ``"auto"``, ``"cpu"``, ``"cuda:0"``, ``"mps"`` or ``"sim:8GiB"``."""
     text = spec.strip()
+    if text.lower() == "auto":
+        return auto_device()
     if text.lower().startswith("sim:"):
         return SimulatedDevice(text[4:])
     try:

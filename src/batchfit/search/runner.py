@@ -77,8 +77,12 @@ def search(
     max_trials: int | None = None,
     steps: int = 2,
     on_trial: Callable[[Trial], None] | None = None,
+    on_trial_start: Callable[[int], None] | None = None,
 ) -> SearchResult:
-    """Find the largest batch size of ``workload`` that fits; see ``find_max_batch_size``."""
+    """Find the largest batch size of ``workload`` that fits; see ``find_max_batch_size``.
+
+    ``on_trial_start(batch_size)`` and ``on_trial(trial)`` are called around every trial.
+    """
     _check_bounds(min_batch_size, max_batch_size, max_trials)
     chosen = make_strategy(strategy)
     dev = resolve_device(device, workload.model)
@@ -94,6 +98,8 @@ def search(
             if batch_size is None:
                 break
             _check_proposal(batch_size, trials, space, chosen)
+            if on_trial_start is not None:
+                on_trial_start(batch_size)
             trial = prober.probe(batch_size)
             trials.append(trial)
             logger.info(trial.describe(capacity))

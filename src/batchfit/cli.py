@@ -1,0 +1,167 @@
+"""The ``batchfit`` command: thin typer commands over the library."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from batchfit.devices.resolve import resolve_device
+from batchfit.report import print_result, result_document, trials_table, write_json
+from batchfit.search.result import NoBatchFitsError
+from batchfit.search.runner import search
+from batchfit.search.strategies import STRATEGIES
+from batchfit.trial import Trial
+from batchfit.units import format_bytes
+from batchfit.workloads import describe_builtins, load_workload
+
+app = typer.Typer(
+    help="What batch size should I train with on this hardware?\n\nExample: batchfit find gpt-tiny --device sim:8GiB",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+console = Console()
+errors = Console(stderr=True)
+
+USER_ERRORS = (ValueError, TypeError, NoBatchFitsError)
+
+
+class Amp(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+def cli_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """One line on stderr and exit code 2 for the user's mistakes; the traceback only with --debug."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except USER_ERRORS as error:
+            if kwargs.get("debug"):
+                raise
+            errors.print(f"[red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def parse_margin(text: str) -> int | float | str:
+    """``"0.05"`` is a fraction of the capacity, ``"4096"`` bytes, ``"512MiB"`` a size."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _header(workload: Any, device: Any) -> str:
+    params = sum(p.numel() for p in workload.model.parameters())
+    optimizer = type(workload.optimizer).__name__ if workload.optimizer is not None else "no optimizer"
+    line = f"batchfit find: [bold]{workload.name}[/] ({params / 1e6:.2f}M parameters, {optimizer}) on [bold]{device.name}[/]"
+    if device.simulated:
+        line += f"\n[yellow]Simulated:[/] a {format_bytes(device.capacity_bytes())} device on the CPU, not a GPU measurement (choose with --device sim:CAPACITY)."
+    return line
+
+
+@app.command(
+    "find", epilog="Example: batchfit find gpt-tiny --seq-len 128 --device sim:8GiB --json out.json --plot out.png"
+)
+@cli_errors
+def find(
+    workload: Annotated[
+        str, typer.Argument(help="A built-in name, module:function or path/to/file.py:function.")
+    ] = "gpt-tiny",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps or sim:CAPACITY (e.g. sim:8GiB).")] = "auto",
+    strategy: Annotated[str, typer.Option(help=f"One of: {', '.join(STRATEGIES)}.")] = "auto",
+    min_batch_size: Annotated[int, typer.Option(help="Smallest size to consider.")] = 1,
+    max_batch_size: Annotated[int | None, typer.Option(help="Largest size to consider.")] = None,
+    margin: Annotated[str, typer.Option(help="Headroom: bytes, a size like 512MiB, or a fraction like 0.05.")] = "0",
+    max_trials: Annotated[int | None, typer.Option(help="Stop after this many trials.")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Sequence length, for workloads that take one.")] = None,
+    image_size: Annotated[int | None, typer.Option(help="Image side in pixels, for workloads that take one.")] = None,
+    amp: Annotated[Amp | None, typer.Option(help="Mixed precision: bf16 or fp16.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of peak memory against batch size here.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the batch size.")] = False,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Find the largest batch size that really fits: every answer is a size a trial ran."""
+    options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
+    work = load_workload(workload, **options)
+    dev = resolve_device(device, work.model)
+    if plot is not None:
+        from batchfit.plots import _pyplot
+
+        _pyplot()  # fail before the search, not after it, when matplotlib is missing
+    if not quiet:
+        console.print(_header(work, dev))
+    done: list[Trial] = []
+    try:
+        result = _search_live(work, dev, done, quiet, strategy=strategy, min_batch_size=min_batch_size,
+                              max_batch_size=max_batch_size, margin=parse_margin(margin), max_trials=max_trials)  # fmt: skip
+    except KeyboardInterrupt:
+        _interrupted(done, dev)
+        raise typer.Exit(130) from None
+    if quiet:
+        console.print(result.batch_size)
+    else:
+        print_result(console, result)
+    if json_path is not None:
+        write_json(json_path, result_document(result, workload=work.name, options=options, simulated=dev.simulated))
+    if plot is not None:
+        from batchfit.plots import plot_search
+
+        plot_search(result, plot)
+    if not quiet and (json_path or plot):
+        console.print("Wrote " + " and ".join(str(p) for p in (json_path, plot) if p is not None))
+
+
+def _search_live(work: Any, dev: Any, done: list[Trial], quiet: bool, **settings: Any) -> Any:
+    capacity = dev.capacity_bytes()
+    with console.status("Starting", spinner="dots") as status:
+        if quiet:
+            status.stop()
+
+        def started(batch_size: int) -> None:
+            status.update(f"Probing batch size {batch_size}: two full training steps")
+
+        def finished(trial: Trial) -> None:
+            done.append(trial)
+            if not quiet:
+                console.print(escape(trial.describe(capacity)), highlight=False)
+
+        return search(work, device=dev, on_trial=finished, on_trial_start=started, **settings)
+
+
+def _interrupted(done: list[Trial], dev: Any) -> None:
+    if done:
+        console.print(trials_table(done, dev.capacity_bytes()))
+    fitted = [t.batch_size for t in done if t.fits]
+    best = f"; the largest size that fitted so far was {max(fitted)} (edge not confirmed)" if fitted else ""
+    errors.print(escape(f"Interrupted: the model and optimizer are restored{best}."), highlight=False)
+
+
+@app.command("list-workloads", epilog="Example: batchfit list-workloads")
+def list_workloads() -> None:
+    """Name the built-in workloads, one line each."""
+    for name, line in describe_builtins().items():
+        console.print(f"[bold]{name:10}[/] {line}", highlight=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

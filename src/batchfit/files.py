@@ -1,0 +1,36 @@
+"""Writing files atomically: a temp file in the same folder, then a rename."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never half.
+
+    >>> import tempfile, pathlib
+    >>> target = pathlib.Path(tempfile.mkdtemp()) / "out.txt"
+    >>> atomic_write_bytes(target, b"done").read_bytes()
+    b'done'
+    """
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise ValueError(f"cannot write {target}: folder {target.parent} does not exist (create it first)")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """``atomic_write_bytes`` for UTF-8 text."""
+    return atomic_write_bytes(path, text.encode("utf-8"))

@@ -1,0 +1,80 @@
+"""What people and scripts read: trial lines, the trials table, the answer, and JSON."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from batchfit.files import atomic_write_text
+from batchfit.search.result import SearchResult
+from batchfit.trial import Trial
+from batchfit.units import format_bytes
+
+
+def trials_table(trials: Sequence[Trial], capacity_bytes: int | None, chosen: int | None = None) -> Table:
+    """A rich table of every trial, in the order they ran."""
+    table = Table(title="Trials", title_justify="left")
+    for column, justify in [
+        ("#", "right"),
+        ("batch size", "right"),
+        ("result", "left"),
+        ("peak", "right"),
+        ("of capacity", "right"),
+        ("seconds", "right"),
+    ]:
+        table.add_column(column, justify=justify)
+    for number, trial in enumerate(trials, 1):
+        share = f"{trial.peak_bytes / capacity_bytes:.0%}" if trial.peak_bytes and capacity_bytes else ""
+        outcome = "[green]fits[/]" if trial.fits else f"[red]{'out of memory' if trial.oom else 'over margin'}[/]"
+        if trial.failed_phase:
+            outcome += f" [dim]in {trial.failed_phase}[/]"
+        size = f"[bold]{trial.batch_size}[/]" if trial.batch_size == chosen else str(trial.batch_size)
+        table.add_row(
+            str(number),
+            size,
+            outcome,
+            format_bytes(trial.peak_bytes) if trial.peak_bytes else "",
+            share,
+            f"{trial.seconds:.2f}",
+        )
+    return table
+
+
+def print_result(console: Console, result: SearchResult) -> None:
+    """The trials table and the one-sentence answer."""
+    console.print(trials_table(result.trials, result.capacity_bytes, result.batch_size))
+    console.print(f"[bold green]{escape(result.summary())}[/]")
+
+
+def versions() -> dict[str, str]:
+    from batchfit import __version__
+
+    return {
+        "batchfit": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": sys.platform,
+    }
+
+
+def result_document(result: SearchResult, *, workload: str, options: dict[str, Any], simulated: bool) -> dict[str, Any]:
+    """``SearchResult.to_dict()`` with what produced it: the workload, the device and the versions."""
+    document = result.to_dict()
+    document["workload"] = {"name": workload, "options": {k: v for k, v in options.items() if v is not None}}
+    document["device"] = {"name": result.device, "simulated": simulated, "capacity_bytes": result.capacity_bytes}
+    document["versions"] = versions()
+    return document
+
+
+def write_json(path: str | Path, document: dict[str, Any]) -> Path:
+    """Write ``document`` as indented JSON, atomically."""
+    return atomic_write_text(path, json.dumps(document, indent=2) + "\n")

@@ -1,0 +1,207 @@
+"""The batchfit command: every option, every error, Ctrl-C, JSON against the schema, the PNG."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import textwrap
+from importlib import resources
+
+import jsonschema
+import pytest
+from typer.testing import CliRunner
+
+from batchfit.cli import app
+from batchfit.search.strategies import Binary, SearchSpace
+from strategy_harness import run_strategy
+
+runner = CliRunner()
+TINY = """
+import torch
+import batchfit as bf
+
+def make(width: int = 16, fail_after: int = 0):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 3))
+    calls = []
+
+    def loss_fn(output, targets):
+        calls.append(1)
+        if fail_after and len(calls) > fail_after:
+            raise KeyboardInterrupt
+        return torch.nn.functional.cross_entropy(output, targets)
+
+    batch = (torch.randn(4, 8), torch.randint(0, 3, (4,)))
+    return bf.Workload(model, batch, loss_fn, torch.optim.Adam(model.parameters()))
+
+def not_a_workload():
+    return {"model": None}
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny_workload.py"
+    path.write_text(textwrap.dedent(TINY))
+    return f"{path}:make"
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+def schema() -> dict:
+    return json.loads(resources.files("batchfit").joinpath("schemas/search_result.schema.json").read_text())
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_help_shows_an_example_for_every_command():
+    for args in ([], ["find"], ["list-workloads"]):
+        result = invoke(*args, "--help")
+        assert result.exit_code == 0
+        assert "Example: batchfit" in result.output
+
+
+def test_list_workloads_names_the_built_ins():
+    result = invoke("list-workloads")
+    assert result.exit_code == 0
+    lines = result.output.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["gpt-tiny", "cnn-small", "mlp"]
+
+
+def test_find_on_a_user_file_prints_live_lines_a_table_and_the_answer(tiny, tmp_path):
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    result = invoke("find", tiny, "--device", "sim:300KiB", "--json", str(out_json), "--plot", str(out_png))
+    assert result.exit_code == 0, result.output
+    document = json.loads(out_json.read_text())
+    jsonschema.validate(document, schema())
+    size = document["batch_size"]
+    assert "Simulated: a 300.0 KiB device on the CPU" in result.output
+    assert "✓ Batch size 1 fits — peak " in result.output and " of 300.0 KiB (" in result.output
+    assert f"✗ Batch size {size + 1}: out of memory in " in result.output
+    assert "Trials" in result.output
+    assert f"Largest batch size that fits on sim:300.0KiB: {size} " in result.output
+    assert document["device"] == {"name": "sim:300.0KiB", "simulated": True, "capacity_bytes": 300 * 1024}
+    assert document["workload"]["name"].endswith("tiny_workload.py:make")
+    assert set(document["versions"]) == {"batchfit", "torch", "python", "platform"}
+    assert png_size(out_png) == (1000, 600)
+
+
+def test_quiet_prints_only_the_batch_size(tiny):
+    result = invoke("find", tiny, "--device", "sim:300KiB", "--quiet")
+    assert result.exit_code == 0
+    assert result.stdout.strip().isdigit()
+
+
+def test_strategy_and_bounds_reach_the_search(tiny, tmp_path):
+    out = tmp_path / "r.json"
+    result = invoke(
+        "find", tiny, "--device", "sim:300KiB", "--strategy", "binary", "--max-batch-size", "64", "--json", str(out)
+    )
+    assert result.exit_code == 0
+    document = json.loads(out.read_text())
+    expected, _ = run_strategy(Binary(), SearchSpace(1, 64), lambda b: b <= document["batch_size"])
+    assert [t["batch_size"] for t in document["trials"]] == expected
+    assert document["strategy"] == "binary" and document["max_batch_size"] == 64
+
+
+def test_min_batch_size_margin_and_max_trials_reach_the_search(tiny, tmp_path):
+    out = tmp_path / "r.json"
+    plain = json.loads(_run_json(tiny, out)["text"])
+    margin = json.loads(_run_json(tiny, out, "--margin", "0.05")["text"])
+    assert margin["limit_bytes"] == 300 * 1024 - int(0.05 * 300 * 1024)
+    assert margin["batch_size"] < plain["batch_size"]
+    assert json.loads(_run_json(tiny, out, "--margin", "8KiB")["text"])["limit_bytes"] == 292 * 1024
+    limited = json.loads(_run_json(tiny, out, "--strategy", "power", "--max-trials", "2")["text"])
+    assert [t["batch_size"] for t in limited["trials"]] == [1, 2] and not limited["exact"]
+    from_five = json.loads(_run_json(tiny, out, "--min-batch-size", "5")["text"])
+    assert from_five["trials"][0]["batch_size"] == 5
+
+
+def _run_json(tiny, out, *args):
+    result = invoke("find", tiny, "--device", "sim:300KiB", "--json", str(out), *args)
+    assert result.exit_code == 0, result.output
+    return {"text": out.read_text()}
+
+
+def test_workload_options_reach_the_built_ins(tmp_path):
+    out = tmp_path / "r.json"
+    args = ["--device", "sim:64MiB", "--max-trials", "1", "--json", str(out)]
+    assert invoke("find", "gpt-tiny", "--seq-len", "16", "--amp", "bf16", *args).exit_code == 0
+    document = json.loads(out.read_text())
+    assert document["workload"] == {"name": "gpt-tiny", "options": {"seq_len": 16, "amp_dtype": "bf16"}}
+    assert invoke("find", "cnn-small", "--image-size", "16", *args).exit_code == 0
+    assert json.loads(out.read_text())["workload"]["options"] == {"image_size": 16}
+    assert invoke("find", "mlp", "--amp", "fp16", *args).exit_code == 0
+
+
+def test_auto_device_says_plainly_that_it_simulates():
+    result = invoke("find", "mlp", "--max-trials", "1")
+    assert result.exit_code == 0
+    assert "Simulated: a 256.0 MiB device on the CPU, not a GPU measurement" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["no_such_module_here:make"], "no module named 'no_such_module_here'"),
+        (["missing_file.py:make"], "workload file missing_file.py does not exist"),
+        (["resnet9000"], "unknown workload 'resnet9000': use one of gpt-tiny, cnn-small, mlp"),
+        (["mlp", "--device", "tpu"], "unknown device 'tpu'"),
+        (["mlp", "--device", "sim:lots"], "capacity 'lots' is not a size"),
+        (["mlp", "--min-batch-size", "0"], "min_batch_size must be an integer of at least 1, got 0"),
+        (
+            ["mlp", "--seq-len", "64"],
+            "workload mlp does not take --seq-len (it takes --features, --amp-dtype, --sample-size)",
+        ),
+        (["mlp", "--device", "sim:7.1MiB"], "even batch size 1 does not fit on sim:7.1MiB"),
+        (["mlp", "--device", "sim:1MiB"], "before any batch"),
+        (["mlp", "--strategy", "fastest"], "unknown strategy 'fastest'"),
+        (["mlp", "--json", "no/such/folder/r.json", "--max-trials", "1"], "folder no/such/folder does not exist"),
+    ],
+)
+def test_errors_are_one_line_on_stderr_with_exit_code_2(args, message):
+    result = invoke("find", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert "Traceback" not in result.output
+
+
+def test_a_function_returning_the_wrong_type(tiny):
+    result = invoke("find", tiny.replace(":make", ":not_a_workload"))
+    assert result.exit_code == 2
+    assert "returned dict, not a batchfit.Workload" in result.stderr
+
+
+def test_debug_shows_the_traceback():
+    result = invoke("find", "resnet9000", "--debug")
+    assert result.exit_code != 0
+    assert isinstance(result.exception, ValueError)
+
+
+def test_missing_matplotlib_is_a_clear_error_before_the_search(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    result = invoke("find", "mlp", "--plot", str(tmp_path / "r.png"))
+    assert result.exit_code == 2
+    assert "plots need matplotlib: pip install 'batchfit[plot]'" in result.stderr
+    assert "Batch size" not in result.output
+
+
+def test_ctrl_c_stops_cleanly_with_the_trials_so_far(tiny, tmp_path):
+    # the loss raises KeyboardInterrupt in its 5th call: two trials of two steps, then the third
+    path = tiny.rpartition(":")[0]
+    with open(path, "a") as handle:
+        handle.write("\n\ndef make_interrupted():\n    return make(fail_after=4)\n")
+    out = tmp_path / "i.json"
+    result = invoke("find", f"{path}:make_interrupted", "--device", "sim:300KiB", "--json", str(out))
+    assert result.exit_code == 130
+    assert "✓ Batch size 1 fits" in result.output and "Trials" in result.output
+    assert "Interrupted: the model and optimizer are restored; the largest size that fitted so far was" in result.stderr
+    assert not out.exists()  # nothing half-written
