@@ -33,3 +33,11 @@ def test_a_write_replaces_the_whole_file(tmp_path):
 def test_a_missing_folder_names_the_fix(tmp_path):
     with pytest.raises(ValueError, match="does not exist \\(create it first\\)"):
         atomic_write_text(tmp_path / "nope" / "r.json", "x")
+
+
+def test_new_files_get_the_usual_permissions(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        assert atomic_write_text(tmp_path / "r.json", "x").stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(umask)

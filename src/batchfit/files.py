@@ -20,6 +20,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         raise ValueError(f"cannot write {target}: folder {target.parent} does not exist (create it first)")
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, _file_mode(target))  # mkstemp makes it private; keep what a plain open() would give
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -29,6 +30,14 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def _file_mode(target: Path) -> int:
+    if target.exists():
+        return target.stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
