@@ -38,6 +38,12 @@ def margin_bytes(margin: int | float | str, capacity_bytes: int | None) -> int:
     return parse_bytes(margin, what="margin")
 
 
+def usable_bytes(device: Device, margin: int | float | str) -> tuple[int | None, int | None]:
+    """The device's capacity and the bytes a trial may use: capacity minus margin (``None``: unknown)."""
+    capacity = device.capacity_bytes()
+    return capacity, None if capacity is None else capacity - margin_bytes(margin, capacity)
+
+
 def _check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: int | None) -> None:
     if not isinstance(min_batch_size, int) or min_batch_size < 1:
         raise ValueError(f"min_batch_size must be an integer of at least 1, got {min_batch_size!r}")
@@ -86,8 +92,7 @@ def search(
     _check_bounds(min_batch_size, max_batch_size, max_trials)
     chosen = make_strategy(strategy)
     dev = resolve_device(device, workload.model)
-    capacity = dev.capacity_bytes()
-    limit = None if capacity is None else capacity - margin_bytes(margin, capacity)
+    capacity, limit = usable_bytes(dev, margin)
     trials: list[Trial] = []
     start = time.perf_counter()
     with Prober(workload, dev, steps=steps, limit_bytes=limit) as prober:
@@ -208,8 +213,7 @@ def probe_batch_size(
         model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
     )
     dev = resolve_device(device, workload.model)
-    capacity = dev.capacity_bytes()
-    limit = None if capacity is None else capacity - margin_bytes(margin, capacity)
+    capacity, limit = usable_bytes(dev, margin)
     with Prober(workload, dev, steps=steps, limit_bytes=limit) as prober:
         trial = prober.probe(batch_size)
     logger.info(trial.describe(capacity))
