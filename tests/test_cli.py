@@ -83,8 +83,9 @@ def test_find_on_a_user_file_prints_live_lines_a_table_and_the_answer(tiny, tmp_
     jsonschema.validate(document, schema())
     size = document["batch_size"]
     assert "Simulated: a 300.0 KiB device on the CPU" in result.output
-    assert "✓ Batch size 1 fits — peak " in result.output and " of 300.0 KiB (" in result.output
+    assert f"✓ Batch size {size} fits — peak " in result.output and " of 300.0 KiB (" in result.output
     assert f"✗ Batch size {size + 1}: out of memory in " in result.output
+    assert f"found by 'auto' in 2 trials after a trace estimate of {size}" in result.output
     assert "Trials" in result.output
     assert f"Largest batch size that fits on sim:300.0KiB: {size} " in result.output
     assert document["device"] == {"name": "sim:300.0KiB", "simulated": True, "capacity_bytes": 300 * 1024}
@@ -120,8 +121,9 @@ def test_min_batch_size_margin_and_max_trials_reach_the_search(tiny, tmp_path):
     assert json.loads(_run_json(tiny, out, "--margin", "8KiB")["text"])["limit_bytes"] == 292 * 1024
     limited = json.loads(_run_json(tiny, out, "--strategy", "power", "--max-trials", "2")["text"])
     assert [t["batch_size"] for t in limited["trials"]] == [1, 2] and not limited["exact"]
-    from_five = json.loads(_run_json(tiny, out, "--min-batch-size", "5")["text"])
-    assert from_five["trials"][0]["batch_size"] == 5
+    from_five = json.loads(_run_json(tiny, out, "--min-batch-size", "5", "--no-trace")["text"])
+    assert from_five["trials"][0]["batch_size"] == 5 and from_five["min_batch_size"] == 5
+    assert "trace" not in from_five
 
 
 def _run_json(tiny, out, *args):
@@ -194,14 +196,31 @@ def test_missing_matplotlib_is_a_clear_error_before_the_search(monkeypatch, tmp_
     assert "Batch size" not in result.output
 
 
-def test_ctrl_c_stops_cleanly_with_the_trials_so_far(tiny, tmp_path):
-    # the loss raises KeyboardInterrupt in its 5th call: two trials of two steps, then the third
+def _interrupted_after(tiny: str, calls: int) -> str:
     path = tiny.rpartition(":")[0]
     with open(path, "a") as handle:
-        handle.write("\n\ndef make_interrupted():\n    return make(fail_after=4)\n")
+        handle.write(f"\n\ndef make_interrupted():\n    return make(fail_after={calls})\n")
+    return f"{path}:make_interrupted"
+
+
+def test_ctrl_c_stops_cleanly_with_the_trials_so_far(tiny, tmp_path):
+    # the loss raises KeyboardInterrupt in its 5th call: two trials of two steps, then the third
     out = tmp_path / "i.json"
-    result = invoke("find", f"{path}:make_interrupted", "--device", "sim:300KiB", "--json", str(out))
+    result = invoke(
+        "find", _interrupted_after(tiny, 4), "--device", "sim:300KiB", "--strategy", "power", "--json", str(out)
+    )
     assert result.exit_code == 130
-    assert "✓ Batch size 1 fits" in result.output and "Trials" in result.output
-    assert "Interrupted: the model and optimizer are restored; the largest size that fitted so far was" in result.stderr
+    assert (
+        "✓ Batch size 1 fits" in result.output and "✓ Batch size 2 fits" in result.output and "Trials" in result.output
+    )
+    assert (
+        "Interrupted: the model and optimizer are restored; the largest size that fitted so far was 2" in result.stderr
+    )
     assert not out.exists()  # nothing half-written
+
+
+def test_ctrl_c_during_the_trace_stops_cleanly_too(tiny, tmp_path):
+    result = invoke("find", _interrupted_after(tiny, 1), "--device", "sim:300KiB")
+    assert result.exit_code == 130
+    assert "Interrupted: the model and optimizer are restored." in result.stderr
+    assert "Batch size" not in result.output

@@ -134,8 +134,23 @@ def test_other_errors_propagate_unchanged_after_restoring(error):
     work.loss_fn = failing_loss
     device = bf.SimulatedDevice("1MiB")
     with pytest.raises(type(error)) as info:
-        bf.search(work, device=device)
+        bf.search(work, device=device, trace=False)  # the trace would make the loss's first calls
     assert info.value is error
+    _assert_same(before, _fingerprint(work))
+
+
+def test_an_error_in_every_step_propagates_past_the_trace(caplog):
+    work = mlp_tuple()
+    _train_a_little(work)
+    before = _fingerprint(work)
+
+    def broken_loss(output, targets):
+        raise Boom("the user's bug")
+
+    work.loss_fn = broken_loss
+    with caplog.at_level("WARNING", logger="batchfit"), pytest.raises(Boom, match="the user's bug"):
+        bf.search(work, device=bf.SimulatedDevice("1MiB"))
+    assert "could not trace the workload (Boom: the user's bug); probing without an estimate" in caplog.text
     _assert_same(before, _fingerprint(work))
 
 

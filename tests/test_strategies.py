@@ -134,3 +134,37 @@ def test_auto_finds_the_edge_when_the_memory_model_is_wrong(problem, bumps):
     _sizes, answer = run_strategy(Auto(), SearchSpace(low, high, limit), fits, peak)
     truth = max((b for b in range(low, high + 1) if fits(b)), default=None)
     assert answer == truth
+
+
+def test_auto_with_a_right_guess_needs_only_the_edge_and_one_more():
+    space = SearchSpace(1, 10_000, limit_bytes=1_000_000)
+    peak = linear_peak(100_000, 3_000)
+    sizes, answer = run_strategy(Auto(guess=300), space, lambda b: peak(b) <= 1_000_000, peak)
+    assert sizes == [300, 301] and answer == 300
+
+
+def test_auto_steps_down_from_a_guess_that_was_too_high():
+    space = SearchSpace(1, 10_000, limit_bytes=1_000_000)
+    peak = linear_peak(100_000, 3_000)
+    sizes, answer = run_strategy(Auto(guess=330), space, lambda b: peak(b) <= 1_000_000, peak, held_bytes=100_000)
+    assert sizes[:2] == [330, 313]  # 5% below the failed guess
+    assert answer == 300 and len(sizes) <= 5
+
+
+def test_auto_climbs_from_a_guess_that_was_too_low():
+    space = SearchSpace(1, 10_000, limit_bytes=1_000_000)
+    peak = linear_peak(100_000, 3_000)
+    sizes, answer = run_strategy(Auto(guess=280), space, lambda b: peak(b) <= 1_000_000, peak, held_bytes=100_000)
+    assert sizes[:2] == [280, 281]
+    assert answer == 300 and len(sizes) <= 5
+
+
+@settings(max_examples=150, deadline=None)
+@given(problem=search_problems(), guess=st.integers(1, 6000))
+def test_auto_finds_the_true_edge_from_any_guess(problem, guess):
+    low, high, edge, base, per_sample = problem
+    limit = base + per_sample * edge
+    _sizes, answer = run_strategy(
+        Auto(guess=guess), SearchSpace(low, high, limit), below(edge), linear_peak(base, per_sample)
+    )
+    assert answer == (min(edge, high) if edge >= low else None)

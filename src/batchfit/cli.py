@@ -88,6 +88,7 @@ def find(
     max_batch_size: Annotated[int | None, typer.Option(help="Largest size to consider.")] = None,
     margin: Annotated[str, typer.Option(help="Headroom: bytes, a size like 512MiB, or a fraction like 0.05.")] = "0",
     max_trials: Annotated[int | None, typer.Option(help="Stop after this many trials.")] = None,
+    trace: Annotated[bool, typer.Option(help="With --strategy auto, estimate the edge on fake tensors first.")] = True,
     seq_len: Annotated[int | None, typer.Option(help="Sequence length, for workloads that take one.")] = None,
     image_size: Annotated[int | None, typer.Option(help="Image side in pixels, for workloads that take one.")] = None,
     amp: Annotated[Amp | None, typer.Option(help="Mixed precision: bf16 or fp16.")] = None,
@@ -109,7 +110,8 @@ def find(
     done: list[Trial] = []
     try:
         result = _search_live(work, dev, done, quiet, strategy=strategy, min_batch_size=min_batch_size,
-                              max_batch_size=max_batch_size, margin=parse_margin(margin), max_trials=max_trials)  # fmt: skip
+                              max_batch_size=max_batch_size, margin=parse_margin(margin), max_trials=max_trials,
+                              trace=trace)  # fmt: skip
     except KeyboardInterrupt:
         _interrupted(done, dev)
         raise typer.Exit(130) from None
@@ -129,7 +131,10 @@ def find(
 
 def _search_live(work: Any, dev: Any, done: list[Trial], quiet: bool, **settings: Any) -> Any:
     capacity = dev.capacity_bytes()
-    with console.status("Starting", spinner="dots") as status:
+    first = (
+        "Tracing the workload on fake tensors" if settings["trace"] and settings["strategy"] == "auto" else "Starting"
+    )
+    with console.status(first, spinner="dots") as status:
         if quiet:
             status.stop()
 

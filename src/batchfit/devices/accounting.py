@@ -25,14 +25,23 @@ PEER_OOM_WORDING = "DefaultCPUAllocator: can't allocate memory"
 class LiveBytes:
     """Counts the bytes of live storages and raises ``torch.OutOfMemoryError`` past ``limit_bytes``.
 
-    ``rounding_bytes`` rounds every storage up like the CUDA caching allocator (512-byte blocks).
+    ``rounding_bytes`` rounds every storage up like the CUDA caching allocator (512-byte blocks);
+    ``large_rounding_bytes`` rounds storages over 1 MiB to a coarser block (2 MiB segments).
     """
 
-    def __init__(self, *, limit_bytes: int | None = None, rounding_bytes: int = 1, name: str = "device"):
+    def __init__(
+        self,
+        *,
+        limit_bytes: int | None = None,
+        rounding_bytes: int = 1,
+        name: str = "device",
+        large_rounding_bytes: int | None = None,
+    ):
         if rounding_bytes < 1:
             raise ValueError(f"rounding_bytes must be at least 1, got {rounding_bytes}")
         self.limit_bytes = limit_bytes
         self.rounding_bytes = rounding_bytes
+        self.large_rounding_bytes = large_rounding_bytes
         self.name = name
         self.live_bytes = 0
         self.exact_live_bytes = 0  # without rounding: exactly linear in the batch size
@@ -42,7 +51,10 @@ class LiveBytes:
         self._refs: dict[int, weakref.ref] = {}
 
     def _rounded(self, nbytes: int) -> int:
-        return -(-nbytes // self.rounding_bytes) * self.rounding_bytes
+        block = self.rounding_bytes
+        if self.large_rounding_bytes is not None and nbytes > 2**20:
+            block = self.large_rounding_bytes
+        return -(-nbytes // block) * block
 
     def _release(self, key: int, nbytes: int, exact_nbytes: int) -> None:
         if self._refs.pop(key, None) is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterable, Iterator
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -18,7 +18,8 @@ class Device(Protocol):
     ``timeline()`` gives the live bytes after each op of the last ``measuring()`` block, or
     ``None`` where the device cannot record it; ``exact_timeline()`` the same before allocator
     rounding, where the device knows it. ``cleanup()`` frees what a trial left behind (young
-    garbage, cached blocks); ``collect()`` also runs a full garbage collection.
+    garbage, cached blocks); ``collect()`` also runs a full garbage collection. ``prepare()``
+    returns the workload trials run on this device (a fake copy on the trace device).
     """
 
     name: str
@@ -35,6 +36,7 @@ class Device(Protocol):
     def register(self, tensors: Iterable[torch.Tensor]) -> None: ...
     def cleanup(self) -> None: ...
     def collect(self) -> None: ...
+    def prepare(self, workload: Any) -> Any: ...
     def synchronize(self) -> None: ...
 
 
@@ -70,6 +72,9 @@ class CountingDevice:
 
     def register(self, tensors: Iterable[torch.Tensor]) -> None:
         self.counter.track_all(tensors)
+
+    def prepare(self, workload: Any) -> Any:
+        return workload
 
     def cleanup(self) -> None:
         gc.collect(1)

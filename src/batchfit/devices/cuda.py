@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -68,6 +69,9 @@ class CudaDevice:
 
     def register(self, tensors: Iterable[torch.Tensor]) -> None:
         return None  # the allocator already counts every tensor on the device
+
+    def prepare(self, workload: Any) -> Any:
+        return workload
 
     def cleanup(self) -> None:
         gc.collect(1)

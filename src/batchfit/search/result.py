@@ -57,10 +57,12 @@ class SearchResult:
     def summary(self) -> str:
         """One sentence with the answer."""
         exact = "" if self.exact else " (stopped early by max_trials: the edge is not confirmed)"
+        traced = self.extra.get("trace") or {}
+        after = f" after a trace estimate of {traced['batch_size']}" if traced.get("batch_size") else ""
         return (
             f"Largest batch size that fits on {self.device}: {self.batch_size} "
             f"(peak {format_bytes(self.peak_bytes)} of {format_bytes(self.capacity_bytes)}), "
-            f"found by '{self.strategy}' in {len(self.trials)} trials, {self.oom_trials} out of memory, "
+            f"found by '{self.strategy}' in {len(self.trials)} trials{after}, {self.oom_trials} out of memory, "
             f"{self.seconds:.1f} s{exact}."
         )
 

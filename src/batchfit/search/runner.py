@@ -72,6 +72,31 @@ def _nothing_fits(trials: list[Trial], device: Device, limit_bytes: int | None) 
     )
 
 
+def _trace_guess(
+    workload: Workload, device: Device, limit_bytes: int, space: tuple[int, int | None], steps: int
+) -> dict[str, Any] | None:
+    """The trace's estimate of the edge under ``limit_bytes``, or ``None`` (with a warning) when
+    the workload cannot be traced: an op without a fake kernel, data-dependent shapes, ..."""
+    from batchfit.devices.trace import TraceDevice
+
+    start = time.perf_counter()
+    tracer = TraceDevice(limit_bytes, device=device.torch_device)
+    try:
+        estimate = search(
+            workload, device=tracer, min_batch_size=space[0], max_batch_size=space[1], steps=steps, trace=False
+        )
+    except NoBatchFitsError:
+        return {"batch_size": None, "trials": None, "seconds": time.perf_counter() - start}
+    except Exception as error:  # a fallback: whatever stops the trace, real probing still works
+        logger.warning(
+            "batchfit: could not trace the workload (%s: %s); probing without an estimate",
+            type(error).__name__,
+            str(error).splitlines()[0][:200],
+        )
+        return None
+    return {"batch_size": estimate.batch_size, "trials": len(estimate.trials), "seconds": time.perf_counter() - start}
+
+
 def search(
     workload: Workload,
     *,
@@ -84,6 +109,7 @@ def search(
     steps: int = 2,
     on_trial: Callable[[Trial], None] | None = None,
     on_trial_start: Callable[[int], None] | None = None,
+    trace: bool = True,
 ) -> SearchResult:
     """Find the largest batch size of ``workload`` that fits; see ``find_max_batch_size``.
 
@@ -93,6 +119,12 @@ def search(
     chosen = make_strategy(strategy)
     dev = resolve_device(device, workload.model)
     capacity, limit = usable_bytes(dev, margin)
+    traced = None
+    if trace and strategy == "auto" and limit is not None and not getattr(dev, "traces", False):
+        traced = _trace_guess(workload, dev, limit, (min_batch_size, max_batch_size), steps)
+        if traced is not None and traced["batch_size"] is not None:
+            chosen = make_strategy("auto", guess=traced["batch_size"])
+    workload = dev.prepare(workload)
     trials: list[Trial] = []
     start = time.perf_counter()
     with Prober(workload, dev, steps=steps, limit_bytes=limit) as prober:
@@ -125,6 +157,7 @@ def search(
         exact=hi - lo == 1,
         seconds=time.perf_counter() - start,
         workload=workload.name,
+        extra={"trace": traced} if traced is not None else {},
     )
 
 
@@ -151,6 +184,7 @@ def find_max_batch_size(
     mode: str = "train",
     step_fn: Callable | None = None,
     on_trial: Callable[[Trial], None] | None = None,
+    trace: bool = True,
 ) -> SearchResult:
     """The largest batch size that really fits: every answer is a size a trial ran.
 
@@ -159,7 +193,9 @@ def find_max_batch_size(
     out-of-memory error marks the size as failing and everything is restored. ``device=None``
     probes where the model is; ``"sim:8GiB"`` or ``SimulatedDevice("8GiB")`` simulates a GPU on the
     CPU. ``margin`` keeps headroom (bytes, ``"512MiB"`` or a fraction such as ``0.05``).
-    ``strategy``: ``auto`` (default), ``binary``, ``power``, ``grow``, ``halving``.
+    ``strategy``: ``auto`` (default), ``binary``, ``power``, ``grow``, ``halving``. With
+    ``auto`` and ``trace=True``, the edge is first estimated on a ``TraceDevice`` (fake tensors,
+    nothing allocated) and real trials only verify and refine it.
 
     >>> import batchfit as bf
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
@@ -182,6 +218,7 @@ def find_max_batch_size(
         max_trials=max_trials,
         steps=steps,
         on_trial=on_trial,
+        trace=trace,
     )
 
 
@@ -214,6 +251,7 @@ def probe_batch_size(
     )
     dev = resolve_device(device, workload.model)
     capacity, limit = usable_bytes(dev, margin)
+    workload = dev.prepare(workload)
     with Prober(workload, dev, steps=steps, limit_bytes=limit) as prober:
         trial = prober.probe(batch_size)
     logger.info(trial.describe(capacity))

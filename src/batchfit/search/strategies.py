@@ -127,24 +127,30 @@ def _failures_at_end(trials: Sequence[Trial]) -> int:
 
 
 class Auto:
-    """The default. Probe ``min_batch_size``, fit peak bytes against batch size (one line per
-    phase), jump to the predicted edge, verify it fits and that one more does not; refine with
-    every new point. After a miss above the edge it steps down geometrically from the failure;
-    past ``bisect_after`` trials, or with no capacity to aim at, it falls back to bisection.
+    """The default. Probe ``min_batch_size`` (or ``guess``, an estimate such as the trace's),
+    fit peak bytes against batch size (see ``MemoryModel``), jump to the predicted edge, verify
+    it fits and that one more does not; refine with every new point. After a miss above the
+    edge it steps down geometrically from the failure; past ``bisect_after`` trials, or with no
+    capacity to aim at, it falls back to bisection.
     """
 
     name = "auto"
 
-    def __init__(self, bisect_after: int = 6, gallop_fraction: float = 0.01):
+    def __init__(self, bisect_after: int = 6, gallop_fraction: float = 0.01, guess: int | None = None):
         self.bisect_after = bisect_after
         self.gallop_fraction = gallop_fraction
+        self.guess = guess
 
     def next(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
+        if not trials and self.guess is not None:
+            return min(max(self.guess, space.min_batch_size), space.max_batch_size)
         lo, hi = bracket(trials, space)
         if hi - lo <= 1:
             return None
         if lo < space.min_batch_size:
-            return space.min_batch_size if not trials else max(hi // 2, space.min_batch_size)
+            return self._below_first_fit(trials, space, hi)
+        if lo == self.guess and sum(t.fits for t in trials) == 1:
+            return lo + 1  # the estimate fitted: confirm the edge before anything else
         model = MemoryModel.fit(trials)
         edge = None if model is None or space.limit_bytes is None else model.max_batch_size(space.limit_bytes)
         if edge is None or len(trials) >= self.bisect_after:
@@ -154,6 +160,16 @@ class Auto:
             step = max(1, math.ceil(hi * self.gallop_fraction * 2 ** (misses - 1)))
             edge = min(edge, hi - step)
         return min(max(edge, lo + 1), hi - 1)
+
+    def _below_first_fit(self, trials: Sequence[Trial], space: SearchSpace, hi: int) -> int:
+        """Nothing has fitted yet: start at the minimum, or step down from a failed guess
+        (5%, 10%, 20%, ... of it: an estimate is usually close), else halve."""
+        if not trials:
+            return space.min_batch_size
+        if self.guess is None:
+            return max(hi // 2, space.min_batch_size)
+        step = math.ceil(hi * 0.05 * 2 ** (_failures_at_end(trials) - 1))
+        return max(hi - step, space.min_batch_size)
 
 
 STRATEGIES: dict[str, type] = {cls.name: cls for cls in (Auto, Binary, Power, Grow, Halving)}
