@@ -20,13 +20,18 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.examples import cnn_small, gpt_tiny, mlp
+from batchfit.examples import cnn_small
+from batchfit.examples import gpt_tiny
+from batchfit.examples import mlp
 from batchfit.files import atomic_write_text
 from batchfit.probe import Prober
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "tests"))
-from models import cnn_bn, dict_model, mlp_tuple, transformer  # noqa: E402
+from models import cnn_bn  # noqa: E402
+from models import dict_model  # noqa: E402
+from models import mlp_tuple  # noqa: E402
+from models import transformer  # noqa: E402
 
 CAP = 512  # seed 000's max_batch_size, given to every strategy alike
 STRATEGIES = ["auto", "power", "binary", "grow", "halving"]

@@ -13,7 +13,8 @@ from batchfit.probe import Prober
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from models import CASES, Case
+from models import CASES
+from models import Case
 
 _TRUE_EDGES: dict[str, int] = {}
 

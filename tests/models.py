@@ -10,7 +10,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.examples import MLPClassifier, TinyGPT, next_token_loss
+from batchfit.examples import MLPClassifier
+from batchfit.examples import TinyGPT
+from batchfit.examples import next_token_loss
 
 
 def mlp_tuple() -> bf.Workload:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import batchfit as bf
-from batchfit.search.strategies import SearchSpace, bracket
+from batchfit.search.strategies import SearchSpace
+from batchfit.search.strategies import bracket
 
 
 def linear_peak(base_bytes: int, per_sample_bytes: int) -> Callable[[int], int]:

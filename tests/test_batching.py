@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections import UserDict, namedtuple
+from collections import UserDict
+from collections import namedtuple
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from batchfit.batching import batch_length, bytes_per_sample, resize_batch, tensor_leaves
+from batchfit.batching import batch_length
+from batchfit.batching import bytes_per_sample
+from batchfit.batching import resize_batch
+from batchfit.batching import tensor_leaves
 
 Pair = namedtuple("Pair", ["inputs", "labels"])
 

@@ -13,7 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from batchfit.cli import app
-from batchfit.search.strategies import Binary, SearchSpace
+from batchfit.search.strategies import Binary
+from batchfit.search.strategies import SearchSpace
 from strategy_harness import run_strategy
 
 runner = CliRunner()
@@ -224,3 +225,48 @@ def test_ctrl_c_during_the_trace_stops_cleanly_too(tiny, tmp_path):
     assert result.exit_code == 130
     assert "Interrupted: the model and optimizer are restored." in result.stderr
     assert "Batch size" not in result.output
+
+
+def test_estimate_on_a_gpu_preset_prints_the_answer_and_the_breakdown(tmp_path):
+    out_json, out_png = tmp_path / "e.json", tmp_path / "e.png"
+    result = invoke(
+        "estimate", "mlp", "--gpu", "a100-40gb", "--batch-size", "64", "--json", str(out_json), "--plot", str(out_png)
+    )
+    assert result.exit_code == 0, result.output
+    assert "on NVIDIA A100 40GB (39.7 GiB usable), traced on fake tensors: nothing runs on a GPU." in result.output
+    for row in ("parameters", "gradients", "optimizer state", "activations", "batch", "temporaries", "total (peak)"):
+        assert row in result.output
+    assert "Batch size 64 fits: peak " in result.output
+    document = json.loads(out_json.read_text())
+    estimate = document["estimate"]
+    assert sum(estimate["breakdown"].values()) == estimate["peak_bytes"] and estimate["fits"] is True
+    assert f"Largest batch size that fits: {document['largest_batch_size']} " in result.output
+    assert document["device"]["gpu"] == "a100-40gb" and document["search"]["exact"]
+    assert png_size(out_png) == (1000, 600)
+
+
+def test_estimate_says_when_a_batch_does_not_fit():
+    result = invoke("estimate", "gpt-tiny", "--capacity", "64MiB", "--batch-size", "4096")
+    assert result.exit_code == 0, result.output
+    assert "Batch size 4096 does not fit: peak " in result.output and "of 64.0 MiB" in result.output
+
+
+def test_estimate_quiet_prints_the_largest_batch_only():
+    result = invoke("estimate", "cnn-small", "--capacity", "64MiB", "--quiet")
+    assert result.exit_code == 0 and result.stdout.strip().isdigit()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["mlp"], "give exactly one of --gpu"),
+        (["mlp", "--gpu", "a100-40gb", "--capacity", "40GiB"], "give exactly one of --gpu"),
+        (["mlp", "--gpu", "a200"], "unknown GPU 'a200'"),
+        (["mlp", "--gpu", "a100-40gb", "--reserve", "lots"], "reserve 'lots' is not a size"),
+        (["mlp", "--capacity", "1MiB"], "before any batch"),
+    ],
+)
+def test_estimate_errors_are_one_line_with_exit_code_2(args, message):
+    result = invoke("estimate", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and result.stderr.count("\n") == 1

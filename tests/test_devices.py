@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import batchfit as bf
-from batchfit.devices.accounting import PEER_OOM_WORDING, LiveBytes
+from batchfit.devices.accounting import PEER_OOM_WORDING
+from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.cuda import CudaDevice
 from batchfit.devices.mps import MpsDevice
 

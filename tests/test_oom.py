@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchfit.devices.oom import OOM_MESSAGES, is_oom
+from batchfit.devices.oom import OOM_MESSAGES
+from batchfit.devices.oom import is_oom
 
 REAL_MESSAGES = [
     "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 7.79 GiB total capacity; 6.31 GiB already allocated)",

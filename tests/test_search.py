@@ -8,9 +8,12 @@ import pytest
 import torch
 
 import batchfit as bf
-from batchfit.search.strategies import STRATEGIES, SearchSpace, make_strategy
+from batchfit.search.strategies import STRATEGIES
+from batchfit.search.strategies import SearchSpace
+from batchfit.search.strategies import make_strategy
 from conftest import linear_scan_edge
-from models import CASES, mlp_tuple
+from models import CASES
+from models import mlp_tuple
 from strategy_harness import run_strategy
 
 MAX_BATCH_SIZE = 256  # a cap for the strategies that start from the top (binary, halving)

@@ -11,7 +11,8 @@ import torch
 
 import batchfit as bf
 from batchfit.probe import Prober
-from models import cnn_bn, mlp_tuple
+from models import cnn_bn
+from models import mlp_tuple
 
 
 def _train_a_little(work: bf.Workload) -> None:

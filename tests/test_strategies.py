@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
-from batchfit.search.strategies import STRATEGIES, Auto, Binary, Grow, Halving, Power, SearchSpace, make_strategy
-from strategy_harness import linear_peak, run_strategy
+from batchfit.search.strategies import STRATEGIES
+from batchfit.search.strategies import Auto
+from batchfit.search.strategies import Binary
+from batchfit.search.strategies import Grow
+from batchfit.search.strategies import Halving
+from batchfit.search.strategies import Power
+from batchfit.search.strategies import SearchSpace
+from batchfit.search.strategies import make_strategy
+from strategy_harness import linear_peak
+from strategy_harness import run_strategy
 
 
 def below(edge: int):

@@ -5,23 +5,44 @@
 8589934592
 """
 
-from batchfit.devices import CpuDevice, CudaDevice, Device, MpsDevice, SimulatedDevice, is_oom
+from batchfit.devices import CpuDevice
+from batchfit.devices import CudaDevice
+from batchfit.devices import Device
+from batchfit.devices import MpsDevice
+from batchfit.devices import SimulatedDevice
+from batchfit.devices import is_oom
+from batchfit.devices.presets import ACCELERATORS
+from batchfit.devices.trace import TraceDevice
+from batchfit.devices.trace import TraceError
+from batchfit.estimate import AnalyticEstimate
+from batchfit.estimate import MemoryEstimate
+from batchfit.estimate import analytic_estimate
+from batchfit.estimate import estimate_memory
 from batchfit.search.memory_model import MemoryModel
-from batchfit.search.result import NoBatchFitsError, SearchResult
-from batchfit.search.runner import find_max_batch_size, probe_batch_size, search
-from batchfit.search.strategies import STRATEGIES, SearchSpace, make_strategy
+from batchfit.search.result import NoBatchFitsError
+from batchfit.search.result import SearchResult
+from batchfit.search.runner import find_max_batch_size
+from batchfit.search.runner import probe_batch_size
+from batchfit.search.runner import search
+from batchfit.search.strategies import STRATEGIES
+from batchfit.search.strategies import SearchSpace
+from batchfit.search.strategies import make_strategy
 from batchfit.state import StateSnapshot
 from batchfit.trial import Trial
-from batchfit.units import format_bytes, parse_bytes
+from batchfit.units import format_bytes
+from batchfit.units import parse_bytes
 from batchfit.workload import Workload
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ACCELERATORS",
     "STRATEGIES",
+    "AnalyticEstimate",
     "CpuDevice",
     "CudaDevice",
     "Device",
+    "MemoryEstimate",
     "MemoryModel",
     "MpsDevice",
     "NoBatchFitsError",
@@ -29,8 +50,12 @@ __all__ = [
     "SearchSpace",
     "SimulatedDevice",
     "StateSnapshot",
+    "TraceDevice",
+    "TraceError",
     "Trial",
     "Workload",
+    "analytic_estimate",
+    "estimate_memory",
     "find_max_batch_size",
     "format_bytes",
     "is_oom",

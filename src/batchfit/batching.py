@@ -8,7 +8,8 @@ here because pytree does not know them unless registered.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import torch

@@ -6,20 +6,28 @@ import functools
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from batchfit.devices.resolve import resolve_device
-from batchfit.report import print_result, result_document, trials_table, write_json
+from batchfit.report import breakdown_table
+from batchfit.report import print_result
+from batchfit.report import result_document
+from batchfit.report import trials_table
+from batchfit.report import versions
+from batchfit.report import write_json
 from batchfit.search.result import NoBatchFitsError
 from batchfit.search.runner import search
 from batchfit.search.strategies import STRATEGIES
 from batchfit.trial import Trial
 from batchfit.units import format_bytes
-from batchfit.workloads import describe_builtins, load_workload
+from batchfit.units import parse_bytes
+from batchfit.workloads import describe_builtins
+from batchfit.workloads import load_workload
 
 app = typer.Typer(
     help="What batch size should I train with on this hardware?\n\nExample: batchfit find gpt-tiny --device sim:8GiB",
@@ -155,6 +163,79 @@ def _interrupted(done: list[Trial], dev: Any) -> None:
     fitted = [t.batch_size for t in done if t.fits]
     best = f"; the largest size that fitted so far was {max(fitted)} (edge not confirmed)" if fitted else ""
     errors.print(escape(f"Interrupted: the model and optimizer are restored{best}."), highlight=False)
+
+
+@app.command("estimate", epilog="Example: batchfit estimate gpt-tiny --seq-len 1024 --gpu a100-40gb --batch-size 32")
+@cli_errors
+def estimate(
+    workload: Annotated[
+        str, typer.Argument(help="A built-in name, module:function or path/to/file.py:function.")
+    ] = "gpt-tiny",
+    gpu: Annotated[
+        str | None, typer.Option(help="A GPU preset, e.g. a100-40gb, h100-80gb, rtx4090-24gb, apple-64gb.")
+    ] = None,
+    capacity: Annotated[str | None, typer.Option(help="A memory size instead of a preset, e.g. 40GiB.")] = None,
+    reserve: Annotated[
+        str | None, typer.Option(help="Override the preset's per-process reserve, e.g. 500MiB or 0.")
+    ] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Say whether this batch size fits, and break it down.")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Sequence length, for workloads that take one.")] = None,
+    image_size: Annotated[int | None, typer.Option(help="Image side in pixels, for workloads that take one.")] = None,
+    amp: Annotated[Amp | None, typer.Option(help="Mixed precision: bf16 or fp16.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the estimate as JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory curve here.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the largest batch size.")] = False,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Estimate memory without the hardware: the largest batch that fits on a GPU, and a breakdown."""
+    from batchfit.devices.presets import preset
+    from batchfit.devices.trace import TraceDevice
+    from batchfit.devices.trace import tracing
+    from batchfit.estimate import estimate_workload
+
+    if (gpu is None) == (capacity is None):
+        raise ValueError("give exactly one of --gpu (e.g. --gpu a100-40gb) or --capacity (e.g. --capacity 40GiB)")
+    reserve_bytes = None if reserve is None else (0 if reserve == "0" else parse_bytes(reserve, what="reserve"))
+    label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
+    tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes)
+    options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
+    work = load_workload(workload, **options)
+    if plot is not None:
+        from batchfit.plots import _pyplot
+
+        _pyplot()
+    label = label or f"a {format_bytes(tracer.capacity_bytes())} device"
+    if not quiet:
+        console.print(f"batchfit estimate: [bold]{work.name}[/] on {escape(label)} ({format_bytes(tracer.capacity_bytes())} usable), "
+                      "traced on fake tensors: nothing runs on a GPU.", highlight=False)  # fmt: skip
+    with console.status("Tracing", spinner="dots"), tracing():
+        largest = search(work, device=tracer, trace=False)
+    at = batch_size or largest.batch_size
+    breakdown = estimate_workload(work, at, capacity=tracer.capacity_bytes())
+    if quiet:
+        console.print(largest.batch_size)
+    else:
+        _print_estimate(largest, breakdown, batch_size)
+    if json_path is not None:
+        document = {"workload": {"name": work.name, "options": {k: v for k, v in options.items() if v is not None}},
+                    "device": {"name": tracer.name, "gpu": gpu, "capacity_bytes": tracer.capacity_bytes()},
+                    "largest_batch_size": largest.batch_size, "estimate": breakdown.to_dict(),
+                    "search": largest.to_dict(), "versions": versions()}  # fmt: skip
+        write_json(json_path, document)
+    if plot is not None:
+        from batchfit.plots import plot_search
+
+        plot_search(largest, plot)
+
+
+def _print_estimate(largest: Any, breakdown: Any, batch_size: int | None) -> None:
+    console.print(breakdown_table(breakdown))
+    if batch_size is not None:
+        verdict = "fits" if breakdown.fits else "does not fit"
+        console.print(f"Batch size {batch_size} {verdict}: peak {format_bytes(breakdown.peak_bytes)} of "
+                      f"{format_bytes(breakdown.capacity_bytes)}.", highlight=False)  # fmt: skip
+    console.print(f"[bold green]Largest batch size that fits: {largest.batch_size} "
+                  f"(estimated from {len(largest.trials)} traced trials, {largest.seconds:.1f} s).[/]")  # fmt: skip
 
 
 @app.command("list-workloads", epilog="Example: batchfit list-workloads")

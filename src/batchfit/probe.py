@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import torch
 
-from batchfit.batching import move_batch, resize_batch, tensor_leaves
+from batchfit.batching import move_batch
+from batchfit.batching import resize_batch
+from batchfit.batching import tensor_leaves
 from batchfit.devices.base import Device
-from batchfit.devices.oom import is_oom, summarize_oom
+from batchfit.devices.oom import is_oom
+from batchfit.devices.oom import summarize_oom
 from batchfit.devices.resolve import model_device
 from batchfit.state import StateSnapshot
 from batchfit.trial import Trial
@@ -40,16 +45,26 @@ class Prober:
     A trial runs ``steps`` full training steps (forward, loss, backward, optimizer step) on a
     batch of ``b`` rows built from the sample, so the optimizer state made by step 1 is alive
     during step 2. Only out-of-memory errors are caught; any other exception, ``KeyboardInterrupt``
-    included, propagates unchanged after the state is restored.
+    included, propagates unchanged after the state is restored. ``phase_hook(name)`` is called
+    when the batch is built (``"batch"``) and at the end of each phase.
     """
 
-    def __init__(self, workload: Workload, device: Device, *, steps: int = 2, limit_bytes: int | None = None):
+    def __init__(
+        self,
+        workload: Workload,
+        device: Device,
+        *,
+        steps: int = 2,
+        limit_bytes: int | None = None,
+        phase_hook: Callable[[str], None] | None = None,
+    ):
         if steps < 1:
             raise ValueError(f"steps must be at least 1 (2 or more to include optimizer state), got {steps}")
         self.workload = workload
         self.device = device
         self.steps = steps
         self.limit_bytes = limit_bytes
+        self.phase_hook = phase_hook or (lambda phase: None)
         self.baseline_bytes = 0
         self._snapshot: StateSnapshot | None = None
         self._home: torch.device | None = None
@@ -112,12 +127,14 @@ class Prober:
         def mark(phase: str) -> None:
             record.peaks[phase] = max(record.peaks.get(phase, 0), device.peak_bytes())
             record.phase = _NEXT_PHASE.get(phase, "forward")
+            self.phase_hook(phase)
             device.reset_peak()
 
         with device.measuring():
             device.reset_peak()
             batch = resize_batch(self._sample, batch_size)
             batch_bytes = sum(t.element_size() * t.numel() for t in tensor_leaves(batch) if t.dim() > 0)
+            self.phase_hook("batch")
             scaler = work.make_scaler(device_type)
             for _ in range(self.steps):
                 record.held_bytes = device.live_bytes() - batch_bytes

@@ -78,3 +78,23 @@ def result_document(result: SearchResult, *, workload: str, options: dict[str, A
 def write_json(path: str | Path, document: dict[str, Any]) -> Path:
     """Write ``document`` as indented JSON, atomically."""
     return atomic_write_text(path, json.dumps(document, indent=2) + "\n")
+
+
+def breakdown_table(estimate: Any) -> Table:
+    """The traced breakdown at the peak beside the analytic estimate, and their difference."""
+    analytic = estimate.analytic.to_dict() if estimate.analytic else {}
+    table = Table(
+        title=f"Memory at batch size {estimate.batch_size} (peak in {estimate.peak_phase})", title_justify="left"
+    )
+    for column in ("component", "traced", "analytic", "difference"):
+        table.add_column(column, justify="left" if column == "component" else "right")
+    rows = [*estimate.breakdown.items(), ("total (peak)", estimate.peak_bytes)]
+    for name, traced in rows:
+        key = "peak_bytes" if name == "total (peak)" else name
+        guess = analytic.get(key)
+        if guess is None:
+            table.add_row(name.replace("_", " "), format_bytes(traced), "" if analytic else "-", "")
+            continue
+        difference = f"{(guess - traced) / traced:+.0%}" if traced else ""
+        table.add_row(name.replace("_", " "), format_bytes(traced), format_bytes(guess), difference)
+    return table

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from batchfit.batching import batch_length, tensor_leaves
+from batchfit.batching import batch_length
+from batchfit.batching import tensor_leaves
 
 MODES = ("train", "eval")
 AMP_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}

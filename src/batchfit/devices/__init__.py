@@ -5,7 +5,8 @@ from batchfit.devices.cpu import CpuDevice
 from batchfit.devices.cuda import CudaDevice
 from batchfit.devices.mps import MpsDevice
 from batchfit.devices.oom import is_oom
-from batchfit.devices.resolve import model_device, resolve_device
+from batchfit.devices.resolve import model_device
+from batchfit.devices.resolve import resolve_device
 from batchfit.devices.simulated import SimulatedDevice
 
 __all__ = [

@@ -22,6 +22,50 @@ from batchfit.units import format_bytes
 PEER_OOM_WORDING = "DefaultCPUAllocator: can't allocate memory"
 
 
+class Ledger:
+    """Who each storage is: a role per storage that outlives it, and the live storages at the
+    highest peak, so the peak can be split into parameters, gradients, activations, ...
+
+    Storages get the role ``tag`` that is current when they appear; ``assign`` changes the role
+    of storages later found to be gradients, optimizer state or saved activations.
+    """
+
+    def __init__(self) -> None:
+        self.tag = "temporaries"
+        self.roles: dict[int, str] = {}  # serial -> role
+        self.serials: dict[int, int] = {}  # storage key -> serial of the live storage with that key
+        self.sizes: dict[int, int] = {}  # serial -> bytes
+        self.max_bytes = -1
+        self.at_peak: list[int] = []  # serials live at the highest peak
+        self.peak_phase = ""
+        self.phase = "batch"
+
+    def created(self, key: int, nbytes: int) -> None:
+        serial = len(self.sizes)
+        self.serials[key] = serial
+        self.sizes[serial] = nbytes
+        self.roles[serial] = self.tag
+
+    def observe(self, live_bytes: int, live_keys: Iterable[int]) -> None:
+        if live_bytes > self.max_bytes:
+            self.max_bytes = live_bytes
+            self.at_peak = [self.serials[key] for key in live_keys]
+            self.peak_phase = self.phase
+
+    def assign(self, keys: Iterable[int], role: str) -> None:
+        for key in keys:
+            if key in self.serials:
+                self.roles[self.serials[key]] = role
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes per role of the storages live at the highest peak (they sum to that peak)."""
+        totals: dict[str, int] = {}
+        for serial in self.at_peak:
+            role = self.roles[serial]
+            totals[role] = totals.get(role, 0) + self.sizes[serial]
+        return totals
+
+
 class LiveBytes:
     """Counts the bytes of live storages and raises ``torch.OutOfMemoryError`` past ``limit_bytes``.
 
@@ -48,6 +92,7 @@ class LiveBytes:
         self.peak_bytes = 0
         self.timeline: list[int] = []
         self.exact_timeline: list[int] = []
+        self.ledger: Ledger | None = None
         self._refs: dict[int, weakref.ref] = {}
 
     def _rounded(self, nbytes: int) -> int:
@@ -77,7 +122,14 @@ class LiveBytes:
         self.live_bytes += nbytes
         self.exact_live_bytes += exact_nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.ledger is not None:
+            self.ledger.created(key, nbytes)
+            self.ledger.observe(self.live_bytes, self._refs)
         return nbytes
+
+    def keys_of(self, tensors: Iterable[Any]) -> list[int]:
+        """The storage keys of ``tensors`` (to tell the ledger their role)."""
+        return [t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)]
 
     def track_all(self, tensors: Iterable[Any]) -> None:
         """Count tensors that existed before the trial (parameters, buffers, optimizer state)."""

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterable
+from collections.abc import Iterator
+from typing import Any
+from typing import Protocol
+from typing import runtime_checkable
 
 import torch
 

@@ -19,19 +19,51 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from batchfit.batching import map_tensors
 from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.base import CountingDevice
-from batchfit.devices.presets import is_preset, usable_bytes
+from batchfit.devices.presets import ACCELERATORS
+from batchfit.devices.presets import is_preset
+from batchfit.devices.presets import usable_bytes
 from batchfit.devices.simulated import CUDA_BLOCK_BYTES
-from batchfit.units import format_bytes, parse_bytes
+from batchfit.units import format_bytes
+from batchfit.units import parse_bytes
 from batchfit.workload import Workload
 
 CUDA_LARGE_ROUND_BYTES = 2 * 2**20  # the caching allocator rounds requests over 1 MiB to 2 MiB segments
+
+
+class TraceError(ValueError):
+    """The workload cannot run on fake tensors (an op without a fake kernel, data-dependent
+    shapes, a model that cannot be copied, ...)."""
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """Turn what fake tensors cannot do into a ``TraceError`` that says why; the user's own
+    ``ValueError``/``TypeError`` and ``KeyboardInterrupt`` pass unchanged."""
+    try:
+        yield
+    except (ValueError, TypeError):
+        raise
+    except Exception as error:
+        if type(error).__name__ == "NoBatchFitsError":
+            raise
+        reason = (str(error).strip().splitlines() or [""])[0][:200]
+        raise TraceError(
+            f"cannot trace this workload on fake tensors ({type(error).__name__}: {reason}); "
+            "measure it with `batchfit find` on a real or simulated device instead"
+        ) from error
 
 
 def trace_capacity_bytes(capacity: int | str, reserve_bytes: int | None = None) -> int:
     """Bytes from a size (``"40GiB"``) or a GPU preset name (``"a100-40gb"``)."""
     if isinstance(capacity, str) and is_preset(capacity):
         return usable_bytes(capacity, reserve_bytes)
-    return parse_bytes(capacity)
+    try:
+        return parse_bytes(capacity)
+    except ValueError:
+        if not isinstance(capacity, str):
+            raise
+        names = ", ".join(ACCELERATORS)
+        raise ValueError(f"capacity {capacity!r} is neither a size like '40GiB' nor a GPU preset ({names})") from None
 
 
 class _FakeWorkloadBuilder:

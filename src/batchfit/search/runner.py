@@ -13,10 +13,15 @@ from batchfit.batching import bytes_per_sample
 from batchfit.devices.base import Device
 from batchfit.devices.resolve import resolve_device
 from batchfit.probe import Prober
-from batchfit.search.result import NoBatchFitsError, SearchResult
-from batchfit.search.strategies import SearchSpace, Strategy, bracket, make_strategy
+from batchfit.search.result import NoBatchFitsError
+from batchfit.search.result import SearchResult
+from batchfit.search.strategies import SearchSpace
+from batchfit.search.strategies import Strategy
+from batchfit.search.strategies import bracket
+from batchfit.search.strategies import make_strategy
 from batchfit.trial import Trial
-from batchfit.units import format_bytes, parse_bytes
+from batchfit.units import format_bytes
+from batchfit.units import parse_bytes
 from batchfit.workload import Workload
 
 logger = logging.getLogger("batchfit")

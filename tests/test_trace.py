@@ -1,0 +1,218 @@
+"""The trace device and memory estimation: against the simulated device, a published formula,
+the GPU presets, and the cases fake tensors cannot handle."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import batchfit as bf
+from batchfit.devices.accounting import LiveBytes
+from batchfit.devices.presets import ACCELERATORS
+from batchfit.devices.presets import CUDA_RESERVE_BYTES
+from batchfit.devices.presets import preset
+from batchfit.devices.presets import usable_bytes
+from batchfit.devices.trace import TraceDevice
+from batchfit.devices.trace import TraceError
+from batchfit.estimate import analytic_estimate
+from batchfit.estimate import estimate_workload
+from batchfit.examples import cnn_small
+from batchfit.examples import gpt_tiny
+from batchfit.examples import mlp
+from models import CASES
+from models import cnn_bn
+from models import mlp_tuple
+from test_state import _assert_same
+from test_state import _fingerprint
+from test_state import _train_a_little
+
+BUILDS = [gpt_tiny, cnn_small, mlp, *[case.build for case in CASES]]
+
+
+def _measured_peak(build, batch_size: int) -> int:
+    work = build()
+    device = bf.SimulatedDevice("1GiB")
+    return bf.probe_batch_size(work.model, work.sample_batch, batch_size, loss_fn=work.loss_fn,
+                               optimizer=work.optimizer, device=device).peak_bytes  # fmt: skip
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=lambda build: build.__name__)
+def test_trace_peak_matches_the_simulated_peak_within_one_percent(build):
+    for batch_size in (1, 8, 32):
+        traced = estimate_workload(build(), batch_size, analytic=False).peak_bytes
+        assert math.isclose(traced, _measured_peak(build, batch_size), rel_tol=0.01)
+
+
+def test_the_breakdown_sums_to_the_peak_and_names_each_part():
+    work = gpt_tiny()
+    estimate = estimate_workload(work, 4)
+    assert sum(estimate.breakdown.values()) == estimate.peak_bytes
+    params = list(work.model.parameters())
+    rounded = lambda t: -(-t.numel() * t.element_size() // 512) * 512  # noqa: E731
+    assert estimate.breakdown["parameters"] == sum(rounded(t) for t in [*params, *work.model.buffers()])
+    # AdamW: two moments per parameter plus a 512-byte block for each `step` scalar
+    assert estimate.breakdown["optimizer_state"] == 2 * sum(rounded(p) for p in params) + 512 * len(params)
+    assert estimate.breakdown["activations"] > estimate.breakdown["temporaries"] > 0
+    assert estimate.peak_phase == "backward"
+
+
+def test_at_small_batches_an_adam_step_peaks_in_the_optimizer():
+    estimate = estimate_workload(mlp(), 4)
+    assert estimate.peak_phase == "optimizer"
+    assert estimate.breakdown["gradients"] > 0 and estimate.breakdown["activations"] == 0
+
+
+def byte_mask_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout keeping a 1-byte mask, as fused GPU dropout does and the formula assumes (PyTorch's
+    CPU dropout keeps its mask in the input's dtype: 2 bytes in bf16)."""
+    keep = torch.rand_like(x) >= p  # bool: the only tensor saved for backward
+    return x * keep / (1 - p)
+
+
+class MegatronBlock(nn.Module):
+    """A GPT layer as Korthikanti et al. 2022 count it: pre-LN, explicit softmax attention with
+    dropout on the scores, a 4h GeLU MLP, dropout after both projections."""
+
+    def __init__(self, hidden: int, heads: int, p: float = 0.1):
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.proj = nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        return x.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln1(x)
+        q, k, v = self.split(self.q(y)), self.split(self.k(y)), self.split(self.v(y))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        attention = byte_mask_dropout(torch.softmax(scores, dim=-1), self.p)
+        context = torch.matmul(attention, v).transpose(1, 2).reshape(x.shape)
+        x = x + byte_mask_dropout(self.proj(context), self.p)
+        return x + byte_mask_dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.p)
+
+
+def test_a_megatron_block_matches_korthikanti_et_al_2022():
+    s, b, h, a = 128, 4, 256, 8
+    block = MegatronBlock(h, a).to(torch.bfloat16)
+    batch = torch.randn(b, s, h, dtype=torch.bfloat16)
+    work = bf.Workload(block, batch, loss_fn=lambda out, batch: out.float().sum(), mode="train")
+    estimate = estimate_workload(work, b, analytic=False)
+    # Saved for backward in 16-bit, per layer, no recomputation: s·b·h·(34 + 5·a·s/h) bytes.
+    # The formula counts the layer's input (2·sbh, saved by the first LayerNorm); here that
+    # input is the batch, so the breakdown files it under "batch".
+    formula = s * b * h * (34 + 5 * a * s / h)
+    layer_input = 2 * s * b * h
+    assert estimate.breakdown["activations"] + layer_input == pytest.approx(formula, rel=0.05)
+
+
+def test_analytic_estimate_corrects_seed_001():
+    work = mlp_tuple()  # Adam on fp32 parameters
+    params = sum(p.numel() * p.element_size() for p in work.model.parameters())
+    analytic = analytic_estimate(work, 16)
+    assert analytic.parameters == analytic.gradients == params
+    assert analytic.optimizer_state == 2 * params  # Adam: two fp32 moments
+    sgd = analytic_estimate(cnn_bn(), 16)  # SGD with momentum: one buffer, not none
+    assert sgd.optimizer_state == sum(p.numel() * 4 for p in cnn_bn().model.parameters())
+    # activations: every leaf module's output per sample, times the batch
+    assert analytic.activations == 16 * 4 * (64 + 64 + 64 + 64 + 10)
+
+
+def test_analytic_checkpointing_keeps_block_inputs_not_one_layer():
+    work = gpt_tiny()
+    full = analytic_estimate(work, 8).activations
+    checkpointed = analytic_estimate(work, 8, checkpointing=True).activations
+    hidden = 8 * 64 * 128 * 4  # one block input: batch x seq x dim in fp32
+    blocks = 2
+    # everything outside the blocks, the two block inputs, and one block's own outputs
+    one_block = (full - checkpointed + blocks * hidden) / (blocks - 1)
+    assert checkpointed < full and one_block > 0
+    assert checkpointed >= blocks * hidden
+
+
+def test_the_trace_never_touches_the_users_model_or_optimizer():
+    work = mlp_tuple()
+    _train_a_little(work)
+    before = _fingerprint(work)
+    estimate_workload(work, 64)
+    bf.search(work, device=TraceDevice("1MiB"))
+    _assert_same(before, _fingerprint(work))
+
+
+def test_searching_on_the_trace_finds_the_simulated_edge():
+    for case in CASES:
+        traced = bf.search(case.build(), device=TraceDevice(case.capacity))
+        simulated = bf.search(case.build(), device=bf.SimulatedDevice(case.capacity), trace=False)
+        assert traced.batch_size == simulated.batch_size
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        return y[y > 0].sum() + y.sum()  # the output's shape depends on the data
+
+
+def test_data_dependent_shapes_fall_back_to_probing_with_one_warning(caplog):
+    model = DataDependent()
+    batch = torch.randn(4, 8)
+    with caplog.at_level("WARNING", logger="batchfit"):
+        result = bf.find_max_batch_size(model, batch, loss_fn=lambda out, batch: out, device="sim:64KiB")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert (
+        len(warnings) == 1
+        and "could not trace the workload" in warnings[0]
+        and "probing without an estimate" in warnings[0]
+    )
+    assert result.batch_size > 1 and result.trials[0].batch_size == 1  # real probing from the minimum
+    with pytest.raises(TraceError, match="cannot trace this workload on fake tensors .*batchfit find"):
+        bf.estimate_memory(model, batch, 8, loss_fn=lambda out, batch: out)
+
+
+@torch.library.custom_op("batchfit_tests::opaque", mutates_args=())
+def opaque(x: torch.Tensor) -> torch.Tensor:  # a custom op with no fake kernel
+    return x.clone()
+
+
+opaque.register_autograd(lambda ctx, grad: grad)  # it trains; it just cannot be traced
+
+
+def test_an_op_without_a_fake_kernel_falls_back_too(caplog):
+    model = nn.Linear(8, 8)
+    batch = torch.randn(4, 8)
+    loss = lambda out, batch: opaque(out).sum()  # noqa: E731
+    with caplog.at_level("WARNING", logger="batchfit"):
+        result = bf.find_max_batch_size(model, batch, loss_fn=loss, device="sim:64KiB")
+    assert "could not trace the workload" in caplog.text and result.exact
+    with pytest.raises(TraceError, match="cannot trace"):
+        bf.estimate_memory(model, batch, 8, loss_fn=loss)
+
+
+def test_presets_subtract_the_cuda_context_reserve():
+    names = {"t4-16gb", "v100-16gb", "v100-32gb", "rtx3060-12gb", "rtx3090-24gb", "rtx4090-24gb", "l4-24gb",
+             "a10-24gb", "l40s-48gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "mi300x-192gb"}  # fmt: skip
+    assert names <= set(ACCELERATORS) and any(name.startswith("apple-") for name in ACCELERATORS)
+    assert preset("A100-40GB").usable_bytes == 40 * 2**30 - CUDA_RESERVE_BYTES
+    assert usable_bytes("a100-40gb", reserve_bytes=0) == 40 * 2**30
+    assert TraceDevice("h100-80gb").capacity_bytes() == 80 * 2**30 - CUDA_RESERVE_BYTES
+    assert TraceDevice("h100-80gb", reserve_bytes=2**30).capacity_bytes() == 79 * 2**30
+    with pytest.raises(ValueError, match="unknown GPU 'a200'.*a100-40gb"):
+        preset("a200")
+
+
+def test_reserved_memory_rounds_large_blocks_to_2mib_segments():
+    counter = LiveBytes(rounding_bytes=512, large_rounding_bytes=2 * 2**20)
+    with counter.mode():
+        small, large = torch.empty(1000, dtype=torch.uint8), torch.empty(3 * 2**20, dtype=torch.uint8)
+        assert counter.live_bytes == 1024 + 4 * 2**20
+        del small, large
