@@ -125,6 +125,15 @@ def test_analytic_estimate_corrects_seed_001():
     assert analytic.activations == 16 * 4 * (64 + 64 + 64 + 64 + 10)
 
 
+def test_analytic_master_weights_add_an_fp32_copy_for_16_bit_parameters():
+    work = mlp_tuple()
+    work.model.to(torch.bfloat16)
+    numel = sum(p.numel() for p in work.model.parameters())
+    plain = analytic_estimate(work, 4)
+    assert plain.parameters == plain.gradients == 2 * numel and plain.optimizer_state == 2 * 2 * numel
+    assert analytic_estimate(work, 4, master_weights=True).optimizer_state == 2 * 2 * numel + 4 * numel
+
+
 def test_analytic_checkpointing_keeps_block_inputs_not_one_layer():
     work = gpt_tiny()
     full = analytic_estimate(work, 8).activations

@@ -247,15 +247,22 @@ def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return []
 
 
-def analytic_estimate(workload: Workload, batch_size: int, *, checkpointing: bool = False) -> AnalyticEstimate:
+def analytic_estimate(
+    workload: Workload, batch_size: int, *, checkpointing: bool = False, master_weights: bool = False
+) -> AnalyticEstimate:
     """Seed 001's formula, corrected (see the module's docstring). Activations are the outputs of
     every leaf module, per sample, times the batch; with ``checkpointing`` only each repeated
-    block's input is kept, plus one block's activations during its recomputation."""
+    block's input is kept, plus one block's activations during its recomputation.
+    ``master_weights`` adds an fp32 copy of every trainable parameter to the optimizer state,
+    as apex/DeepSpeed-style mixed precision keeps for 16-bit parameters (torch's own optimizers
+    and AMP keep none: under AMP the parameters themselves stay fp32)."""
     params = [p for p in workload.model.parameters()]
     parameter_bytes = sum(p.numel() * p.element_size() for p in [*params, *workload.model.buffers()])
     trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     training = workload.mode == "train"
     state = _state_multiple(workload.optimizer) * trainable if training and workload.optimizer is not None else 0
+    if training and master_weights:
+        state += sum(p.numel() * 4 for p in params if p.requires_grad)
     per_sample = _activation_bytes(workload, checkpointing)
     sample = workload.sample_batch
     batch_bytes = (

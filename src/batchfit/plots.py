@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import numpy as np
+
 from batchfit.files import atomic_write_bytes
 from batchfit.search.memory_model import MemoryModel
 from batchfit.search.result import SearchResult
@@ -34,8 +36,8 @@ def plot_search(result: SearchResult, path: str | Path) -> Path:
     capacity_mib = result.capacity_bytes / MIB if result.capacity_bytes else None
     largest = max(t.batch_size for t in result.trials)
     model = MemoryModel.fit(result.trials)
-    if model is not None:
-        sizes = range(1, largest + 2)
+    if model is not None:  # a max of lines: 400 points and the trial sizes draw it faithfully
+        sizes = sorted({*np.linspace(1, largest + 1, 400).astype(int).tolist(), *(t.batch_size for t in result.trials)})
         axes.plot(
             sizes,
             [model.predict_peak_bytes(b) / MIB for b in sizes],
