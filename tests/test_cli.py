@@ -270,3 +270,56 @@ def test_estimate_errors_are_one_line_with_exit_code_2(args, message):
     result = invoke("estimate", *args)
     assert result.exit_code == 2, result.output
     assert message in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_plan_reproduces_seed_003_and_writes_the_batch_configuration(tmp_path):
+    out = tmp_path / "plan.json"
+    result = invoke("plan", "--micro-batch-size", "16", "--global-batch-tokens", "32768", "--seq-len", "256", "--devices", "1",
+                    "--base-lr", "3e-4", "--base-batch-size", "8192", "--json", str(out))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert (
+        "16 per device x 8 accumulation steps x 1 device(s) = 128 samples = 32,768 tokens per optimizer step."
+        in result.output
+    )
+    configuration = json.loads(out.read_text())["batch_configuration"]
+    assert configuration["gradient_accumulation_steps"] == 8 and configuration["learning_rate"] == pytest.approx(1.2e-3)
+
+
+def test_plan_measures_the_micro_batch_on_a_workload(tiny):
+    result = invoke("plan", tiny, "--device", "sim:300KiB", "--global-batch-size", "4096")
+    assert result.exit_code == 0, result.output
+    assert (
+        "Measured on sim:300.0KiB: the largest micro-batch is " in result.output and "= 4096 samples" in result.output
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--global-batch-size", "64"], "give --micro-batch-size N, or a WORKLOAD"),
+        (["--micro-batch-size", "16", "--global-batch-tokens", "4096"], "global_batch_tokens needs seq_len"),
+        (
+            ["--micro-batch-size", "16", "--global-batch-size", "64", "--devices", "0"],
+            "devices must be a positive integer",
+        ),
+        (
+            ["--micro-batch-size", "16", "--global-batch-size", "64", "--base-lr", "-1", "--base-batch-size", "8"],
+            "base_lr must be a positive number",
+        ),
+    ],
+)
+def test_plan_errors_are_one_line_with_exit_code_2(args, message):
+    result = invoke("plan", *args)
+    assert result.exit_code == 2 and message in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_optimal_prints_the_table_the_fit_and_the_choice(tiny, tmp_path):
+    out_json, out_png = tmp_path / "o.json", tmp_path / "o.png"
+    result = invoke("optimal", tiny, "--device", "sim:300KiB", "--max-batch-size", "64", "--timed-steps", "1",
+                    "--json", str(out_json), "--plot", str(out_png))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "Throughput" in result.output and "Fitted step time" in result.output and "Use batch size" in result.output
+    document = json.loads(out_json.read_text())
+    assert {1, 2, 4, 8, 16, 32, 64} <= {p["batch_size"] for p in document["points"]}
+    assert document["batch_size"] in [p["batch_size"] for p in document["points"]]
+    assert png_size(out_png) == (1000, 600)

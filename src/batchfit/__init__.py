@@ -5,6 +5,7 @@
 8589934592
 """
 
+from batchfit.accumulate import GradientAccumulator
 from batchfit.devices import CpuDevice
 from batchfit.devices import CudaDevice
 from batchfit.devices import Device
@@ -18,6 +19,8 @@ from batchfit.estimate import AnalyticEstimate
 from batchfit.estimate import MemoryEstimate
 from batchfit.estimate import analytic_estimate
 from batchfit.estimate import estimate_memory
+from batchfit.plan import BatchPlan
+from batchfit.plan import plan_batch
 from batchfit.search.memory_model import MemoryModel
 from batchfit.search.result import NoBatchFitsError
 from batchfit.search.result import SearchResult
@@ -28,6 +31,8 @@ from batchfit.search.strategies import STRATEGIES
 from batchfit.search.strategies import SearchSpace
 from batchfit.search.strategies import make_strategy
 from batchfit.state import StateSnapshot
+from batchfit.throughput import ThroughputResult
+from batchfit.throughput import find_optimal_batch_size
 from batchfit.trial import Trial
 from batchfit.units import format_bytes
 from batchfit.units import parse_bytes
@@ -39,9 +44,11 @@ __all__ = [
     "ACCELERATORS",
     "STRATEGIES",
     "AnalyticEstimate",
+    "BatchPlan",
     "CpuDevice",
     "CudaDevice",
     "Device",
+    "GradientAccumulator",
     "MemoryEstimate",
     "MemoryModel",
     "MpsDevice",
@@ -50,6 +57,7 @@ __all__ = [
     "SearchSpace",
     "SimulatedDevice",
     "StateSnapshot",
+    "ThroughputResult",
     "TraceDevice",
     "TraceError",
     "Trial",
@@ -57,10 +65,12 @@ __all__ = [
     "analytic_estimate",
     "estimate_memory",
     "find_max_batch_size",
+    "find_optimal_batch_size",
     "format_bytes",
     "is_oom",
     "make_strategy",
     "parse_bytes",
+    "plan_batch",
     "probe_batch_size",
     "search",
 ]

@@ -100,6 +100,15 @@ def resize_batch(batch: Any, batch_size: int) -> Any:
     return map_tensors(resize, batch)
 
 
+def slice_batch(batch: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of every batched tensor (scalars and non-tensor leaves kept).
+
+    >>> slice_batch({"x": torch.arange(5), "tag": "a"}, 3, 5)
+    {'x': tensor([3, 4]), 'tag': 'a'}
+    """
+    return map_tensors(lambda tensor: tensor if tensor.dim() == 0 else tensor[start:stop], batch)
+
+
 def move_batch(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor on ``device`` (tensors already there are kept as they are)."""
     return map_tensors(lambda tensor: tensor.to(device), batch)

@@ -12,11 +12,13 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 
 from batchfit.devices.resolve import resolve_device
 from batchfit.report import breakdown_table
 from batchfit.report import print_result
 from batchfit.report import result_document
+from batchfit.report import throughput_table
 from batchfit.report import trials_table
 from batchfit.report import versions
 from batchfit.report import write_json
@@ -236,6 +238,150 @@ def _print_estimate(largest: Any, breakdown: Any, batch_size: int | None) -> Non
                       f"{format_bytes(breakdown.capacity_bytes)}.", highlight=False)  # fmt: skip
     console.print(f"[bold green]Largest batch size that fits: {largest.batch_size} "
                   f"(estimated from {len(largest.trials)} traced trials, {largest.seconds:.1f} s).[/]")  # fmt: skip
+
+
+@app.command("optimal", epilog="Example: batchfit optimal cnn-small --device sim:512MiB --tolerance 0.05 --plot t.png")
+@cli_errors
+def optimal(
+    workload: Annotated[
+        str, typer.Argument(help="A built-in name, module:function or path/to/file.py:function.")
+    ] = "gpt-tiny",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps or sim:CAPACITY.")] = "auto",
+    max_batch_size: Annotated[int | None, typer.Option(help="The largest batch to time (else found first).")] = None,
+    tolerance: Annotated[
+        float, typer.Option(help="Pick the smallest batch within this share of the best throughput.")
+    ] = 0.05,
+    safety_fraction: Annotated[
+        float | None, typer.Option(help="Stay below this share of the maximum, e.g. 0.8.")
+    ] = None,
+    timed_steps: Annotated[int, typer.Option(help="Timed steps per batch size (after 2 warm-up steps).")] = 5,
+    seq_len: Annotated[
+        int | None, typer.Option(help="Sequence length, for workloads that take one (adds tokens/s).")
+    ] = None,
+    image_size: Annotated[int | None, typer.Option(help="Image side in pixels, for workloads that take one.")] = None,
+    amp: Annotated[Amp | None, typer.Option(help="Mixed precision: bf16 or fp16.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Write a PNG of throughput and memory against batch size here.")
+    ] = None,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Maximum is not optimal: time steps across batch sizes and pick the throughput-optimal one."""
+    from batchfit.throughput import optimal_for_workload
+
+    options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
+    work = load_workload(workload, **options)
+    dev = resolve_device(device, work.model)
+    if plot is not None:
+        from batchfit.plots import _pyplot
+
+        _pyplot()
+    console.print(_header(work, dev).replace("batchfit find", "batchfit optimal"))
+    with console.status("Finding the largest batch, then timing steps across batch sizes", spinner="dots"):
+        result = optimal_for_workload(work, device=dev, max_batch_size=max_batch_size, tolerance=tolerance,
+                                      safety_fraction=safety_fraction, timed_steps=timed_steps, tokens_per_sample=seq_len)  # fmt: skip
+    console.print(throughput_table(result))
+    knees = ", ".join(f"{int(f * 100)}% at {k:,.0f}" for f in (0.9, 0.95) if (k := result.knee(f)) is not None)
+    console.print(f"Fitted step time {result.alpha_seconds * 1000:.2f} ms + {result.beta_seconds_per_sample * 1000:.3f} ms x batch; "
+                  f"throughput knees: {knees or 'none (no fixed cost measured)'}.", highlight=False)  # fmt: skip
+    for note in result.notes:
+        console.print(f"[yellow]Note:[/] {escape(note)}")
+    console.print(f"[bold green]{escape(result.summary())}[/]")
+    if json_path is not None:
+        write_json(json_path, {"workload": {"name": work.name, "options": {k: v for k, v in options.items() if v is not None}},
+                               "device": {"name": dev.name, "simulated": dev.simulated}, **result.to_dict(), "versions": versions()})  # fmt: skip
+    if plot is not None:
+        from batchfit.plots import plot_throughput
+
+        plot_throughput(result, plot)
+
+
+class LrScaling(str, Enum):
+    linear = "linear"
+    sqrt = "sqrt"
+    none = "none"
+
+
+class Goal(str, Enum):
+    accuracy = "accuracy"
+    speed = "speed"
+    memory = "memory"
+
+
+@app.command(
+    "plan",
+    epilog="Example: batchfit plan --micro-batch-size 16 --global-batch-tokens 32768 --seq-len 256 --base-lr 3e-4 --base-batch-size 65536",
+)
+@cli_errors
+def plan(
+    workload: Annotated[
+        str | None, typer.Argument(help="Measure the micro-batch on this workload (else give --micro-batch-size).")
+    ] = None,
+    micro_batch_size: Annotated[int | None, typer.Option(help="The largest micro-batch that fits, if known.")] = None,
+    global_batch_size: Annotated[int | None, typer.Option(help="Target global batch in samples.")] = None,
+    global_batch_tokens: Annotated[
+        int | None, typer.Option(help="Target global batch in tokens (with --seq-len).")
+    ] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sample.")] = None,
+    devices: Annotated[
+        int | None, typer.Option(help="Data-parallel devices (default: torch.distributed's world size, else 1).")
+    ] = None,
+    base_lr: Annotated[float | None, typer.Option(help="The learning rate tuned at --base-batch-size.")] = None,
+    base_batch_size: Annotated[
+        int | None, typer.Option(help="The batch --base-lr was tuned at (same unit as the target).")
+    ] = None,
+    lr_scaling: Annotated[
+        LrScaling, typer.Option(help="linear (Goyal 2017), sqrt (Adam; Malladi 2022) or none.")
+    ] = LrScaling.linear,
+    warmup_epochs: Annotated[int | None, typer.Option(help="Warmup epochs (else suggested from the scale).")] = None,
+    dataset_size: Annotated[int | None, typer.Option(help="Samples per epoch, for steps per epoch.")] = None,
+    epochs: Annotated[int | None, typer.Option(help="Epochs, for total steps.")] = None,
+    goal: Annotated[
+        Goal | None, typer.Option(help="accuracy, speed or memory (seed 001's decision framework).")
+    ] = None,
+    fine_tuning: Annotated[bool, typer.Option(help="Fine-tuning: small batch and learning rate.")] = False,
+    device: Annotated[str, typer.Option(help="Where to measure the micro-batch, with WORKLOAD.")] = "auto",
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write BatchPlan.to_dict() here.")] = None,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Plan micro-batch, accumulation, learning rate and warmup for a global batch on N devices."""
+    from batchfit.plan import plan_batch
+
+    measured = None
+    if workload is not None:
+        work = (
+            load_workload(workload, seq_len=seq_len) if seq_len and workload == "gpt-tiny" else load_workload(workload)
+        )
+        with console.status("Measuring the largest micro-batch", spinner="dots"):
+            measured = search(work, device=resolve_device(device, work.model))
+        micro_batch_size = measured.batch_size
+        console.print(f"Measured on {measured.device}: the largest micro-batch is {micro_batch_size}.", highlight=False)
+    if micro_batch_size is None:
+        raise ValueError("give --micro-batch-size N, or a WORKLOAD to measure it on")
+    result = plan_batch(micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, global_batch_tokens=global_batch_tokens,
+                        seq_len=seq_len, devices=devices, base_lr=base_lr, base_batch_size=base_batch_size, lr_scaling=lr_scaling.value,
+                        warmup_epochs=warmup_epochs, dataset_size=dataset_size, epochs=epochs, fine_tuning=fine_tuning,
+                        goal=goal.value if goal else None)  # fmt: skip
+    _print_plan(result)
+    if json_path is not None:
+        write_json(json_path, result.to_dict())
+
+
+def _print_plan(result: Any) -> None:
+    table = Table(title="Batch plan", title_justify="left", show_header=False)
+    table.add_column(justify="left")
+    table.add_column(justify="right")
+    for key, value in result.to_dict()["batch_configuration"].items():
+        if value is not None:
+            table.add_row(key.replace("_", " "), f"{value:g}" if isinstance(value, float) else str(value))
+    console.print(table)
+    tokens = f" = {result.global_batch_tokens:,} tokens" if result.global_batch_tokens else ""
+    console.print(f"[bold green]{result.micro_batch_size} per device x {result.gradient_accumulation_steps} accumulation steps x "
+                  f"{result.devices} device(s) = {result.global_batch_size} samples{tokens} per optimizer step.[/]")  # fmt: skip
+    for warning in result.warnings:
+        console.print(f"[yellow]Warning:[/] {escape(warning)}")
+    for advice in result.advice:
+        console.print(f"[cyan]Advice:[/] {escape(advice)}")
 
 
 @app.command("list-workloads", epilog="Example: batchfit list-workloads")

@@ -76,3 +76,34 @@ def plot_search(result: SearchResult, path: str | Path) -> Path:
     figure.savefig(buffer, format="png", dpi=dpi)
     pyplot.close(figure)
     return atomic_write_bytes(path, buffer.getvalue())
+
+
+def plot_throughput(result, path: str | Path) -> Path:
+    """Write a PNG of samples/s and peak memory against batch size, with the knee and the choice."""
+    pyplot = _pyplot()
+    dpi = 100
+    figure, rate_axes = pyplot.subplots(figsize=(PLOT_SIZE_PX[0] / dpi, PLOT_SIZE_PX[1] / dpi), dpi=dpi)
+    sizes = [p.batch_size for p in result.points]
+    rate_axes.plot(sizes, [p.samples_per_second for p in result.points], "o-", color="tab:blue", label="samples/s")
+    rate_axes.set(
+        xscale="log",
+        xlabel="batch size",
+        ylabel="samples/s",
+        title=f"Throughput: use {result.batch_size} (best {result.best_batch_size})",
+    )
+    memory_axes = rate_axes.twinx()
+    memory_axes.plot(
+        sizes, [(p.peak_bytes or 0) / MIB for p in result.points], "s--", color="tab:orange", label="peak memory (MiB)"
+    )
+    memory_axes.set_ylabel("peak memory (MiB)")
+    rate_axes.axvline(result.batch_size, color="tab:green", linestyle="-.", label=f"chosen: {result.batch_size}")
+    knee = result.knee(0.9)
+    if knee is not None and min(sizes) <= knee <= 4 * max(sizes):
+        rate_axes.axvline(knee, color="grey", linestyle=":", label=f"90% knee of the fit: {knee:,.0f}")
+    handles = rate_axes.get_legend_handles_labels()[0] + memory_axes.get_legend_handles_labels()[0]
+    rate_axes.legend(handles=handles, loc="lower right")
+    rate_axes.grid(alpha=0.3)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    pyplot.close(figure)
+    return atomic_write_bytes(path, buffer.getvalue())

@@ -46,7 +46,8 @@ class Prober:
     batch of ``b`` rows built from the sample, so the optimizer state made by step 1 is alive
     during step 2. Only out-of-memory errors are caught; any other exception, ``KeyboardInterrupt``
     included, propagates unchanged after the state is restored. ``phase_hook(name)`` is called
-    when the batch is built (``"batch"``) and at the end of each phase.
+    when the batch is built (``"batch"``) and at the end of each phase. Each step is timed with
+    ``clock`` (device synchronised), for throughput.
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class Prober:
         steps: int = 2,
         limit_bytes: int | None = None,
         phase_hook: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         if steps < 1:
             raise ValueError(f"steps must be at least 1 (2 or more to include optimizer state), got {steps}")
@@ -65,6 +67,7 @@ class Prober:
         self.steps = steps
         self.limit_bytes = limit_bytes
         self.phase_hook = phase_hook or (lambda phase: None)
+        self.clock = clock
         self.baseline_bytes = 0
         self._snapshot: StateSnapshot | None = None
         self._home: torch.device | None = None
@@ -138,12 +141,14 @@ class Prober:
             scaler = work.make_scaler(device_type)
             for _ in range(self.steps):
                 record.held_bytes = device.live_bytes() - batch_bytes
+                started = self.clock()
                 if work.mode == "train":
                     work.train_step(batch, device_type, scaler, mark)
                 else:
                     work.eval_step(batch, device_type, mark)
+                device.synchronize()
+                record.step_seconds.append(self.clock() - started)
                 record.steps += 1
-            device.synchronize()
 
     def _reset(self) -> None:
         """Restore the state and free what the trial left; a full collection only when needed
@@ -156,7 +161,8 @@ class Prober:
             self.device.collect()
 
     def _trial(self, batch_size: int, record: _Record, seconds: float, error: str | None) -> Trial:
-        common = dict(phase_peak_bytes=record.peaks, steps=record.steps, held_bytes=record.held_bytes)
+        common = dict(phase_peak_bytes=record.peaks, steps=record.steps, held_bytes=record.held_bytes,
+                      step_seconds=tuple(record.step_seconds))  # fmt: skip
         if error is not None:
             return Trial(batch_size, False, None, seconds, error, oom=True, failed_phase=record.phase, **common)
         timeline, exact = self.device.timeline(), self.device.exact_timeline()
@@ -179,6 +185,7 @@ class _Record:
     steps: int = 0
     held_bytes: int | None = None
     phase: str = "forward"  # where the trial is now: the phase an OOM struck in
+    step_seconds: list[float] = field(default_factory=list)
 
 
 _NEXT_PHASE = {"forward": "backward", "backward": "optimizer"}

@@ -98,3 +98,20 @@ def breakdown_table(estimate: Any) -> Table:
         difference = f"{(guess - traced) / traced:+.0%}" if traced else ""
         table.add_row(name.replace("_", " "), format_bytes(traced), format_bytes(guess), difference)
     return table
+
+
+def throughput_table(result: Any) -> Table:
+    """Every measured batch size: step time, samples/s (and tokens/s), share of the best, memory."""
+    best = max(p.samples_per_second for p in result.points)
+    table = Table(title="Throughput", title_justify="left")
+    tokens = any(p.tokens_per_second for p in result.points)
+    columns = ["batch size", "step (ms)", "samples/s", *(["tokens/s"] if tokens else []), "of best", "peak"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for p in result.points:
+        size = f"[bold]{p.batch_size}[/]" if p.batch_size == result.batch_size else str(p.batch_size)
+        row = [size, f"{p.step_seconds * 1000:.1f}", f"{p.samples_per_second:,.1f}"]
+        row += [f"{p.tokens_per_second:,.0f}"] if tokens else []
+        row += [f"{p.samples_per_second / best:.0%}", format_bytes(p.peak_bytes)]
+        table.add_row(*row)
+    return table

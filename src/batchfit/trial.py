@@ -22,7 +22,7 @@ class Trial:
     a peak over the usable memory (capacity minus margin); ``held_bytes`` is what was live at the
     start of the last step apart from the batch (parameters, buffers, optimizer state);
     ``timeline`` holds the live bytes after every op, where the device records them, and
-    ``exact_timeline`` the same before allocator rounding.
+    ``exact_timeline`` the same before allocator rounding; ``step_seconds`` times each full step.
     """
 
     batch_size: int
@@ -37,6 +37,7 @@ class Trial:
     timeline: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     exact_timeline: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     failed_phase: str | None = None
+    step_seconds: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

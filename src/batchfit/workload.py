@@ -103,21 +103,9 @@ class Workload:
 
     def _forward(self, batch: Any) -> Any:
         """The loss (or, in eval mode without a loss, the output) for ``batch``."""
-        if self.step_fn is not None:
-            return self.step_fn(self.model, batch)
-        if isinstance(batch, Mapping):
-            output, targets = self.model(**batch), batch
-        elif isinstance(batch, (tuple, list)) and len(batch) == 2:
-            output, targets = self.model(batch[0]), batch[1]
-        else:
-            output, targets = self.model(batch), batch
-        if self.loss_fn is not None:
-            return self.loss_fn(output, targets)
-        if self.mode == "eval":
-            return output
-        if isinstance(batch, Mapping):
-            return _loss_attribute(output)
-        raise ValueError("this batch needs a loss: pass loss_fn(output, targets) or step_fn(model, batch)")
+        return compute_loss(
+            self.model, batch, loss_fn=self.loss_fn, step_fn=self.step_fn, need_loss=self.mode == "train"
+        )
 
     def train_step(self, batch: Any, device_type: str, scaler: Any, mark: PhaseMark) -> None:
         """One full step, marking each phase's end: forward and loss (``mark("forward")``),
@@ -156,6 +144,32 @@ class Workload:
             return torch.amp.GradScaler(device_type)
         except (RuntimeError, ValueError):  # device type without a GradScaler
             return None
+
+
+def compute_loss(model: torch.nn.Module, batch: Any, *, loss_fn: LossFn | None = None, step_fn: StepFn | None = None,
+                 need_loss: bool = True) -> Any:  # fmt: skip
+    """Run ``model`` on ``batch`` by the calling convention and return the loss.
+
+    A pair ``(inputs, targets)`` runs ``loss_fn(model(inputs), targets)``; a mapping runs
+    ``model(**batch)`` and uses ``output.loss`` unless ``loss_fn(output, batch)`` is given;
+    anything else runs ``model(batch)`` and ``loss_fn(output, batch)``; ``step_fn(model, batch)``
+    overrides all of it. Without a loss and with ``need_loss=False``, the output is returned.
+    """
+    if step_fn is not None:
+        return step_fn(model, batch)
+    if isinstance(batch, Mapping):
+        output, targets = model(**batch), batch
+    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+        output, targets = model(batch[0]), batch[1]
+    else:
+        output, targets = model(batch), batch
+    if loss_fn is not None:
+        return loss_fn(output, targets)
+    if not need_loss:
+        return output
+    if isinstance(batch, Mapping):
+        return _loss_attribute(output)
+    raise ValueError("this batch needs a loss: pass loss_fn(output, targets) or step_fn(model, batch)")
 
 
 def _autocast(device_type: str, dtype: torch.dtype | None):

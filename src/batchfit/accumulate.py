@@ -1,0 +1,90 @@
+"""Gradient accumulation that gives the full batch's gradient exactly (seed 001, patterns 3-4).
+
+Each micro-batch's mean loss is weighted by its share of the global batch's samples, so a short
+last micro-batch counts for what it holds; under DDP only the last micro-batch synchronises
+(``no_sync()`` on the others). The optimizer, the scheduler and the EMA step once per global step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from batchfit.batching import batch_length
+from batchfit.batching import slice_batch
+from batchfit.workload import compute_loss
+
+
+class GradientAccumulator:
+    """One optimizer step per global batch, computed ``micro_batch_size`` rows at a time.
+
+    >>> model = torch.nn.Linear(4, 1)
+    >>> accumulator = GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
+    ...     loss_fn=torch.nn.functional.mse_loss, micro_batch_size=3)
+    >>> loss = accumulator.step((torch.randn(10, 4), torch.randn(10, 1)))   # micro-batches of 3, 3, 3, 1
+    >>> accumulator.micro_batches_last_step
+    4
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        micro_batch_size: int,
+        loss_fn: Callable | None = None,
+        step_fn: Callable | None = None,
+        scheduler: Any = None,
+        ema: Any = None,
+        scaler: Any = None,
+        sample_weight: Callable[[Any], int] | None = None,
+    ):
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
+        self.model, self.optimizer = model, optimizer
+        self.micro_batch_size = micro_batch_size
+        self.loss_fn, self.step_fn = loss_fn, step_fn
+        self.scheduler, self.ema, self.scaler = scheduler, ema, scaler
+        self.sample_weight = sample_weight or batch_length  # tokens instead: lambda b: int(b["attention_mask"].sum())
+        self.micro_batches_last_step = 0
+
+    def accumulate(self, batch: Any) -> float:
+        """Backward over every micro-batch of ``batch``; ``.grad`` then holds the full batch's
+        gradient (of the mean loss). Returns the mean loss."""
+        total = batch_length(batch)
+        pieces = [
+            slice_batch(batch, start, start + self.micro_batch_size) for start in range(0, total, self.micro_batch_size)
+        ]
+        weights = [self.sample_weight(piece) for piece in pieces]
+        whole = sum(weights)
+        loss_sum = 0.0
+        for index, (piece, weight) in enumerate(zip(pieces, weights, strict=True)):
+            last = index == len(pieces) - 1
+            with self._sync(last):
+                loss = compute_loss(self.model, piece, loss_fn=self.loss_fn, step_fn=self.step_fn) * (weight / whole)
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            loss_sum += float(loss.detach())
+        self.micro_batches_last_step = len(pieces)
+        return loss_sum
+
+    def step(self, batch: Any) -> float:
+        """``accumulate(batch)``, then one optimizer step (and scheduler, EMA), then zero grads."""
+        loss = self.accumulate(batch)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
+        return loss
+
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        no_sync = getattr(self.model, "no_sync", None)
+        return contextlib.nullcontext() if last or no_sync is None else no_sync()

@@ -1,0 +1,204 @@
+"""The planner: the seeds' worked examples exactly, the warnings they name, and bad inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from batchfit.advice import REFERENCE_BATCHES
+from batchfit.advice import batch_schedule
+from batchfit.advice import reference
+from batchfit.advice import starting_range
+from batchfit.advice import workload_distribution
+from batchfit.lr import scale_learning_rate
+from batchfit.lr import suggested_warmup_epochs
+from batchfit.lr import warmup_need
+from batchfit.plan import plan_batch
+
+
+def test_seed_003_worked_examples():
+    plan = plan_batch(micro_batch_size=16, global_batch_tokens=32768, seq_len=256, devices=1)
+    assert (plan.gradient_accumulation_steps, plan.global_batch_tokens, plan.exact) == (8, 32768, True)
+    plan = plan_batch(micro_batch_size=8, global_batch_tokens=16384, seq_len=512, devices=1)
+    assert plan.gradient_accumulation_steps == 4
+
+
+def test_seed_004_worked_examples_and_its_json():
+    assert plan_batch(micro_batch_size=64, global_batch_size=256, devices=4).global_batch_size == 256
+    plan = plan_batch(micro_batch_size=64, global_batch_size=1024, devices=1, base_lr=0.1, base_batch_size=256)
+    assert math.isclose(plan.learning_rate, 0.4)
+    plan = plan_batch(
+        micro_batch_size=64, global_batch_size=512, devices=8, base_lr=0.001, base_batch_size=128, warmup_epochs=5
+    )
+    configuration = plan.to_dict()["batch_configuration"]
+    seed_004 = {
+        "per_gpu_batch_size": 64,
+        "total_batch_size": 512,
+        "gradient_accumulation_steps": 1,
+        "learning_rate": 0.004,
+        "warmup_epochs": 5,
+    }
+    assert {key: configuration[key] for key in seed_004} == pytest.approx(seed_004)
+    assert list(configuration)[:5] == list(seed_004)
+
+
+def test_an_uneven_target_uses_an_exact_smaller_micro_batch():
+    plan = plan_batch(micro_batch_size=16, global_batch_size=120, devices=1)
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.exact) == (15, 8, True)
+
+
+def test_an_unsplittable_target_is_stated_never_silently_changed():
+    plan = plan_batch(micro_batch_size=24, global_batch_size=1000, devices=3)
+    assert not plan.exact and plan.global_batch_size == 1008 and plan.target_samples == 1000
+    assert plan.deviation == pytest.approx(0.008)
+    assert any("the global batch is 1008, not the 1000 asked for (+0.8%)" in w for w in plan.warnings)
+    assert plan.to_dict()["batch_configuration"]["exact"] is False
+
+
+def test_learning_rate_rules_and_warmup_follow_the_seeds():
+    assert scale_learning_rate(1e-3, 4, "sqrt") == pytest.approx(2e-3)
+    assert scale_learning_rate(1e-3, 4, "none") == 1e-3
+    assert [warmup_need(s) for s in (2, 4, 8, 16)] == ["none", "optional", "required", "critical"]
+    assert suggested_warmup_epochs(32) == 5  # Goyal et al.'s 5 epochs at 8192 vs 256
+    plan = plan_batch(micro_batch_size=32, global_batch_size=4096, devices=8, base_lr=0.1, base_batch_size=256,
+                      dataset_size=1_281_167, epochs=90)  # fmt: skip
+    assert plan.warmup == "critical" and plan.warmup_epochs == 4
+    assert plan.steps_per_epoch == math.ceil(1_281_167 / 4096) and plan.warmup_steps == 4 * plan.steps_per_epoch
+    assert plan.total_steps == 90 * plan.steps_per_epoch
+
+
+def test_the_lr_scheduler_warms_up_then_follows_cosine():
+    plan = plan_batch(micro_batch_size=32, global_batch_size=1024, devices=1, base_lr=0.1, base_batch_size=256,
+                      dataset_size=10_240, epochs=10)  # fmt: skip
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=plan.learning_rate)
+    scheduler = plan.lr_scheduler(optimizer)
+    rates = []
+    for _ in range(plan.total_steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    warmup = plan.warmup_steps
+    assert warmup == 2 * 10 and rates[0] == 0 and rates[warmup] == pytest.approx(0.4)
+    assert rates[warmup // 2] == pytest.approx(0.2) and rates[-1] < 0.01
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "warning"),
+    [
+        ({"micro_batch_size": 4, "global_batch_size": 128}, "32 accumulation steps: every optimizer step runs 32"),
+        ({"micro_batch_size": 1, "global_batch_size": 128}, "outside the 2-64 range"),
+        ({"micro_batch_size": 8, "global_batch_size": 64, "has_batchnorm": True}, "BatchNorm with accumulation"),
+        (
+            {"micro_batch_size": 64, "global_batch_size": 512, "fine_tuning": True},
+            "for fine-tuning: seed 001 suggests 16-32",
+        ),
+        (
+            {
+                "micro_batch_size": 64,
+                "global_batch_size": 512,
+                "base_lr": 0.1,
+                "base_batch_size": 128,
+                "lr_scaling": "none",
+            },
+            "is not scaled",
+        ),
+        ({"micro_batch_size": 64, "global_batch_size": 64}, "just use the maximum that fits"),
+        ({"micro_batch_size": 64, "global_batch_size": 1024, "goal": "accuracy"}, "goal 'accuracy'"),
+        (
+            {
+                "micro_batch_size": 64,
+                "global_batch_size": 2048,
+                "base_lr": 0.1,
+                "base_batch_size": 256,
+                "warmup_epochs": 0,
+            },
+            "warmup is required",
+        ),
+    ],
+)
+def test_the_warnings_the_seeds_name(kwargs, warning):
+    plan = plan_batch(devices=1, **kwargs)
+    assert any(warning in w for w in plan.warnings), plan.warnings
+
+
+def test_advice_is_reported_with_its_source_and_never_applied():
+    plan = plan_batch(micro_batch_size=64, global_batch_size=1024, devices=1, base_lr=0.1, base_batch_size=256,
+                      weight_decay=1e-4, capacity_gib=12, goal="memory", fine_tuning=True)  # fmt: skip
+    text = " | ".join(plan.advice)
+    assert "weight decay 0.0001 -> 0.0002 (scaled by sqrt of the batch ratio; seed 001, pattern 8; heuristic)" in text
+    assert "label smoothing" in text and "starts at a batch of 32-64" in text and "goal 'memory'" in text
+    assert plan.learning_rate == pytest.approx(0.4)  # advice changed nothing
+    assert starting_range(4) == (16, 32) and starting_range(40) == (128, 256)
+
+
+def test_reference_batches_for_model_families():
+    assert reference("GPT2")["global_batch"] == 32_768 and reference("llama")["global_batch"] == 4_194_304
+    assert (
+        REFERENCE_BATCHES["resnet50-imagenet"]["learning_rate"] == 0.1 and reference("bert")["global_batch"] == 262_144
+    )
+    with pytest.raises(ValueError, match="unknown model family 'vgg'"):
+        reference("vgg")
+
+
+def test_heterogeneous_workers_get_shares_proportional_to_throughput():
+    plan = plan_batch(
+        micro_batch_size=32, global_batch_size=100, devices=2, worker_throughput={"fast": 300.0, "slow": 100.0}
+    )
+    calibration = plan.to_dict()["hardware_calibration"]
+    assert calibration["workload_distribution"] == {"fast": 0.75, "slow": 0.25}
+    assert calibration["samples_per_step"] == {"fast": 75, "slow": 25}
+    equal = workload_distribution({f"worker-{i}": 0.85 for i in range(4)}, 256)  # seed 004's example
+    assert set(equal["workload_distribution"].values()) == {0.25} and sum(equal["samples_per_step"].values()) == 256
+
+
+def test_a_batch_size_schedule_ramps_by_accumulation_with_the_lr_following():
+    stages = batch_schedule(64, 512, 8, micro_batch_size=32, devices=2, base_lr=0.1, base_batch_size=256)
+    assert stages[0].global_batch_size == 64 and stages[-1].global_batch_size == 512
+    assert all(s.global_batch_size == 64 * s.gradient_accumulation_steps for s in stages)
+    assert all(s.learning_rate == pytest.approx(0.1 * s.global_batch_size / 256) for s in stages)
+    exponential = batch_schedule(64, 512, 4, micro_batch_size=64, ramp="exponential")
+    assert [s.global_batch_size for s in exponential] == [64, 128, 256, 512]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"micro_batch_size": 16, "global_batch_size": 2, "devices": 4},
+            r"smaller than one sample per device \(4 devices\)",
+        ),
+        ({"micro_batch_size": 16, "global_batch_size": 64, "devices": 0}, "devices must be a positive integer, got 0"),
+        (
+            {"micro_batch_size": 16, "global_batch_size": 64, "base_lr": -0.1, "base_batch_size": 64},
+            "base_lr must be a positive number",
+        ),
+        ({"micro_batch_size": 16, "global_batch_tokens": 4096}, "global_batch_tokens needs seq_len"),
+        (
+            {"micro_batch_size": 16, "global_batch_size": 64, "global_batch_tokens": 4096, "seq_len": 64},
+            "give exactly one target",
+        ),
+        ({"micro_batch_size": 16}, "give exactly one target"),
+        ({"micro_batch_size": 0, "global_batch_size": 64}, "micro_batch_size must be a positive integer"),
+        (
+            {"micro_batch_size": 16, "global_batch_size": 64, "base_lr": 0.1},
+            "give base_lr and base_batch_size together",
+        ),
+        (
+            {
+                "micro_batch_size": 16,
+                "global_batch_size": 64,
+                "lr_scaling": "cubic",
+                "base_lr": 0.1,
+                "base_batch_size": 64,
+            },
+            "lr_scaling must be one of",
+        ),
+        ({"micro_batch_size": 16, "global_batch_size": 64, "goal": "fame"}, "goal must be one of"),
+    ],
+)
+def test_bad_inputs_name_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_batch(**kwargs)
