@@ -202,3 +202,33 @@ def test_a_batch_size_schedule_ramps_by_accumulation_with_the_lr_following():
 def test_bad_inputs_name_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_batch(**kwargs)
+
+
+def test_a_target_below_the_micro_batch_is_planned_and_said():
+    plan = plan_batch(micro_batch_size=64, global_batch_size=32, devices=1)
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.exact) == (32, 1, True)
+    assert any("fewer than the micro-batch of 64 that fits: the micro-batch is 32" in w for w in plan.warnings)
+
+
+def test_a_model_family_supplies_the_typical_target():
+    gpt2 = plan_batch(micro_batch_size=16, seq_len=1024, devices=1, model_family="gpt2")
+    assert gpt2.global_batch_tokens == 32_768 and gpt2.gradient_accumulation_steps == 2
+    resnet = plan_batch(micro_batch_size=64, devices=4, model_family="resnet50-imagenet")
+    assert resnet.global_batch_size == 256 and resnet.learning_rate == pytest.approx(0.1)
+
+
+def test_a_plan_can_carry_a_batch_size_ramp():
+    plan = plan_batch(
+        micro_batch_size=32,
+        global_batch_size=512,
+        devices=2,
+        epochs=4,
+        schedule_from=64,
+        base_lr=0.1,
+        base_batch_size=256,
+    )
+    ramp = plan.to_dict()["batch_schedule"]
+    assert [stage["global_batch_size"] for stage in ramp] == [64, 192, 384, 512]
+    assert ramp[-1]["learning_rate"] == pytest.approx(plan.learning_rate)
+    with pytest.raises(ValueError, match="schedule needs epochs"):
+        plan_batch(micro_batch_size=32, global_batch_size=512, schedule_from=64)

@@ -340,6 +340,9 @@ def plan(
         Goal | None, typer.Option(help="accuracy, speed or memory (seed 001's decision framework).")
     ] = None,
     fine_tuning: Annotated[bool, typer.Option(help="Fine-tuning: small batch and learning rate.")] = False,
+    model_family: Annotated[
+        str | None, typer.Option(help="gpt2, bert, llama or resnet50-imagenet: a typical target if none is given.")
+    ] = None,
     device: Annotated[str, typer.Option(help="Where to measure the micro-batch, with WORKLOAD.")] = "auto",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write BatchPlan.to_dict() here.")] = None,
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
@@ -361,7 +364,7 @@ def plan(
     result = plan_batch(micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, global_batch_tokens=global_batch_tokens,
                         seq_len=seq_len, devices=devices, base_lr=base_lr, base_batch_size=base_batch_size, lr_scaling=lr_scaling.value,
                         warmup_epochs=warmup_epochs, dataset_size=dataset_size, epochs=epochs, fine_tuning=fine_tuning,
-                        goal=goal.value if goal else None)  # fmt: skip
+                        goal=goal.value if goal else None, model_family=model_family)  # fmt: skip
     _print_plan(result)
     if json_path is not None:
         write_json(json_path, result.to_dict())

@@ -7,10 +7,14 @@ only to read the world size or to build an LR scheduler, and only when asked.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
+from batchfit.advice import Stage
+from batchfit.advice import batch_schedule
+from batchfit.advice import reference
 from batchfit.advice import regularization_advice
 from batchfit.advice import starting_range
 from batchfit.advice import workload_distribution
@@ -64,6 +68,7 @@ class BatchPlan:
     warnings: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
     hardware_calibration: dict[str, Any] | None = None
+    schedule: list[Stage] | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "devices", "target_samples"):
@@ -142,6 +147,8 @@ class BatchPlan:
         }
         if self.hardware_calibration is not None:
             document["hardware_calibration"] = self.hardware_calibration
+        if self.schedule is not None:
+            document["batch_schedule"] = [asdict(stage) for stage in self.schedule]
         return document
 
 
@@ -175,10 +182,14 @@ def _split(target: int, devices: int, largest_micro: int) -> tuple[int, int, lis
             f"the global batch ({target} samples) is smaller than one sample per device ({devices} devices)"
         )
     per_device = target / devices
+    smaller = [] if per_device >= largest_micro else [
+        f"the target is {per_device:g} samples per device, fewer than the micro-batch of {largest_micro} that fits: "
+        f"the micro-batch is {int(per_device)}"
+    ]  # fmt: skip
     if per_device == int(per_device):
         exact = next(m for m in range(min(largest_micro, int(per_device)), 0, -1) if int(per_device) % m == 0)
         if exact * 2 >= min(largest_micro, int(per_device)):
-            return exact, int(per_device) // exact, []
+            return exact, int(per_device) // exact, smaller
     micro = min(largest_micro, max(1, int(per_device)))
     accumulation = max(1, round(per_device / micro))
     achieved = micro * accumulation * devices
@@ -210,12 +221,18 @@ def plan_batch(
     weight_decay: float | None = None,
     worker_throughput: dict[str, float] | None = None,
     measured_optimal: bool = False,
+    model_family: str | None = None,
+    schedule_from: int | None = None,
+    schedule_ramp: str = "linear",
 ) -> BatchPlan:
     """Plan micro-batch, accumulation, learning rate and warmup for a global batch.
 
     ``micro_batch_size`` is the largest that fits (measured or given); the plan never exceeds it
     and never changes the global batch silently. ``base_lr`` was tuned at ``base_batch_size``
     (samples, or tokens when the target is in tokens) and is scaled by ``lr_scaling``.
+    ``model_family`` (``gpt2``, ``bert``, ``llama``, ``resnet50-imagenet``) supplies a typical
+    target when none is given. ``schedule_from`` with ``epochs`` adds a batch-size ramp from that
+    global batch up to the target (seed 001 pattern 7), by accumulation steps.
 
     >>> plan = plan_batch(micro_batch_size=16, global_batch_tokens=32768, seq_len=256)
     >>> plan.gradient_accumulation_steps, plan.global_batch_tokens
@@ -226,6 +243,14 @@ def plan_batch(
     _positive_int("devices", devices)
     if goal is not None and goal not in GOALS:
         raise ValueError(f"goal must be one of {', '.join(GOALS)}, got {goal!r}")
+    if model_family is not None and global_batch_size is None and global_batch_tokens is None:
+        family = reference(model_family)
+        if family["unit"] == "tokens":
+            global_batch_tokens = int(family["global_batch"])
+        else:
+            global_batch_size = int(family["global_batch"])
+            if base_lr is None and "learning_rate" in family:
+                base_lr, base_batch_size = float(family["learning_rate"]), int(family["global_batch"])
     target, notes = _target_samples(global_batch_size, global_batch_tokens, seq_len)
     micro, accumulation, split_notes = _split(target, devices, micro_batch_size)
     plan = BatchPlan(micro, accumulation, devices, target, seq_len, lr_scaling=lr_scaling, dataset_size=dataset_size,
@@ -235,6 +260,14 @@ def plan_batch(
     plan.advice += _advice(plan, goal, fine_tuning, capacity_gib, weight_decay)
     if worker_throughput is not None:
         plan.hardware_calibration = workload_distribution(worker_throughput, plan.global_batch_size)
+    if schedule_from is not None:
+        if epochs is None:
+            raise ValueError(
+                "a batch-size schedule needs epochs: the ramp runs from schedule_from to the target over them"
+            )
+        plan.schedule = batch_schedule(schedule_from, plan.global_batch_size, epochs, micro_batch_size=plan.micro_batch_size,
+                                       devices=devices, ramp=schedule_ramp, base_lr=base_lr, base_batch_size=base_batch_size,
+                                       lr_scaling=lr_scaling)  # fmt: skip
     return plan
 
 
