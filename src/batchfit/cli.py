@@ -49,6 +49,27 @@ class Amp(str, Enum):
     fp16 = "fp16"
 
 
+WorkloadArg = Annotated[str, typer.Argument(help="A built-in name, module:function or path/to/file.py:function.")]
+SeqLen = Annotated[int | None, typer.Option(help="Sequence length, for workloads that take one.")]
+ImageSize = Annotated[int | None, typer.Option(help="Image side in pixels, for workloads that take one.")]
+AmpOption = Annotated[Amp | None, typer.Option(help="Mixed precision: bf16 or fp16.")]
+Debug = Annotated[bool, typer.Option(help="Show tracebacks.")]
+
+
+def _load(workload: str, seq_len: int | None, image_size: int | None, amp: Amp | None) -> tuple[Any, dict[str, Any]]:
+    """The workload and the options that reached it (for the JSON)."""
+    options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
+    return load_workload(workload, **options), {key: value for key, value in options.items() if value is not None}
+
+
+def _check_plotting(plot: Path | None) -> None:
+    """Fail before the work, not after it, when a plot is asked for and matplotlib is missing."""
+    if plot is not None:
+        from batchfit.plots import _pyplot
+
+        _pyplot()
+
+
 def cli_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     """One line on stderr and exit code 2 for the user's mistakes; the traceback only with --debug."""
 
@@ -99,22 +120,18 @@ def find(
     margin: Annotated[str, typer.Option(help="Headroom: bytes, a size like 512MiB, or a fraction like 0.05.")] = "0",
     max_trials: Annotated[int | None, typer.Option(help="Stop after this many trials.")] = None,
     trace: Annotated[bool, typer.Option(help="With --strategy auto, estimate the edge on fake tensors first.")] = True,
-    seq_len: Annotated[int | None, typer.Option(help="Sequence length, for workloads that take one.")] = None,
-    image_size: Annotated[int | None, typer.Option(help="Image side in pixels, for workloads that take one.")] = None,
-    amp: Annotated[Amp | None, typer.Option(help="Mixed precision: bf16 or fp16.")] = None,
+    seq_len: SeqLen = None,
+    image_size: ImageSize = None,
+    amp: AmpOption = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of peak memory against batch size here.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the batch size.")] = False,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+    debug: Debug = False,
 ) -> None:
     """Find the largest batch size that really fits: every answer is a size a trial ran."""
-    options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
-    work = load_workload(workload, **options)
+    work, options = _load(workload, seq_len, image_size, amp)
     dev = resolve_device(device, work.model)
-    if plot is not None:
-        from batchfit.plots import _pyplot
-
-        _pyplot()  # fail before the search, not after it, when matplotlib is missing
+    _check_plotting(plot)
     if not quiet:
         console.print(_header(work, dev))
     done: list[Trial] = []
@@ -181,13 +198,13 @@ def estimate(
         str | None, typer.Option(help="Override the preset's per-process reserve, e.g. 500MiB or 0.")
     ] = None,
     batch_size: Annotated[int | None, typer.Option(help="Say whether this batch size fits, and break it down.")] = None,
-    seq_len: Annotated[int | None, typer.Option(help="Sequence length, for workloads that take one.")] = None,
-    image_size: Annotated[int | None, typer.Option(help="Image side in pixels, for workloads that take one.")] = None,
-    amp: Annotated[Amp | None, typer.Option(help="Mixed precision: bf16 or fp16.")] = None,
+    seq_len: SeqLen = None,
+    image_size: ImageSize = None,
+    amp: AmpOption = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the estimate as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory curve here.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the largest batch size.")] = False,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+    debug: Debug = False,
 ) -> None:
     """Estimate memory without the hardware: the largest batch that fits on a GPU, and a breakdown."""
     from batchfit.devices.presets import preset
@@ -200,12 +217,8 @@ def estimate(
     reserve_bytes = None if reserve is None else (0 if reserve == "0" else parse_bytes(reserve, what="reserve"))
     label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
     tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes)
-    options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
-    work = load_workload(workload, **options)
-    if plot is not None:
-        from batchfit.plots import _pyplot
-
-        _pyplot()
+    work, options = _load(workload, seq_len, image_size, amp)
+    _check_plotting(plot)
     label = label or f"a {format_bytes(tracer.capacity_bytes())} device"
     if not quiet:
         console.print(f"batchfit estimate: [bold]{work.name}[/] on {escape(label)} ({format_bytes(tracer.capacity_bytes())} usable), "
@@ -219,7 +232,7 @@ def estimate(
     else:
         _print_estimate(largest, breakdown, batch_size)
     if json_path is not None:
-        document = {"workload": {"name": work.name, "options": {k: v for k, v in options.items() if v is not None}},
+        document = {"workload": {"name": work.name, "options": options},
                     "device": {"name": tracer.name, "gpu": gpu, "capacity_bytes": tracer.capacity_bytes()},
                     "largest_batch_size": largest.batch_size, "estimate": breakdown.to_dict(),
                     "search": largest.to_dict(), "versions": versions()}  # fmt: skip
@@ -258,24 +271,20 @@ def optimal(
     seq_len: Annotated[
         int | None, typer.Option(help="Sequence length, for workloads that take one (adds tokens/s).")
     ] = None,
-    image_size: Annotated[int | None, typer.Option(help="Image side in pixels, for workloads that take one.")] = None,
-    amp: Annotated[Amp | None, typer.Option(help="Mixed precision: bf16 or fp16.")] = None,
+    image_size: ImageSize = None,
+    amp: AmpOption = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
     plot: Annotated[
         Path | None, typer.Option(help="Write a PNG of throughput and memory against batch size here.")
     ] = None,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+    debug: Debug = False,
 ) -> None:
     """Maximum is not optimal: time steps across batch sizes and pick the throughput-optimal one."""
     from batchfit.throughput import optimal_for_workload
 
-    options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
-    work = load_workload(workload, **options)
+    work, options = _load(workload, seq_len, image_size, amp)
     dev = resolve_device(device, work.model)
-    if plot is not None:
-        from batchfit.plots import _pyplot
-
-        _pyplot()
+    _check_plotting(plot)
     console.print(_header(work, dev).replace("batchfit find", "batchfit optimal"))
     with console.status("Finding the largest batch, then timing steps across batch sizes", spinner="dots"):
         result = optimal_for_workload(work, device=dev, max_batch_size=max_batch_size, tolerance=tolerance,
@@ -288,7 +297,7 @@ def optimal(
         console.print(f"[yellow]Note:[/] {escape(note)}")
     console.print(f"[bold green]{escape(result.summary())}[/]")
     if json_path is not None:
-        write_json(json_path, {"workload": {"name": work.name, "options": {k: v for k, v in options.items() if v is not None}},
+        write_json(json_path, {"workload": {"name": work.name, "options": options},
                                "device": {"name": dev.name, "simulated": dev.simulated}, **result.to_dict(), "versions": versions()})  # fmt: skip
     if plot is not None:
         from batchfit.plots import plot_throughput
@@ -345,16 +354,14 @@ def plan(
     ] = None,
     device: Annotated[str, typer.Option(help="Where to measure the micro-batch, with WORKLOAD.")] = "auto",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write BatchPlan.to_dict() here.")] = None,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+    debug: Debug = False,
 ) -> None:
     """Plan micro-batch, accumulation, learning rate and warmup for a global batch on N devices."""
     from batchfit.plan import plan_batch
 
     measured = None
     if workload is not None:
-        work = (
-            load_workload(workload, seq_len=seq_len) if seq_len and workload == "gpt-tiny" else load_workload(workload)
-        )
+        work = load_workload(workload, seq_len=seq_len, only_accepted=True)
         with console.status("Measuring the largest micro-batch", spinner="dots"):
             measured = search(work, device=resolve_device(device, work.model))
         micro_batch_size = measured.batch_size

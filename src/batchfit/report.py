@@ -69,7 +69,7 @@ def versions() -> dict[str, str]:
 def result_document(result: SearchResult, *, workload: str, options: dict[str, Any], simulated: bool) -> dict[str, Any]:
     """``SearchResult.to_dict()`` with what produced it: the workload, the device and the versions."""
     document = result.to_dict()
-    document["workload"] = {"name": workload, "options": {k: v for k, v in options.items() if v is not None}}
+    document["workload"] = {"name": workload, "options": dict(options)}
     document["device"] = {"name": result.device, "simulated": simulated, "capacity_bytes": result.capacity_bytes}
     document["versions"] = versions()
     return document

@@ -71,14 +71,24 @@ def _check_options(name: str, factory: Callable[..., Any], options: dict[str, An
         raise ValueError(f"workload {name} does not take {flags} (it takes {accepted})")
 
 
-def load_workload(spec: str, **options: Any) -> Workload:
+def _accepted(factory: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
+    parameters = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return options
+    return {key: value for key, value in options.items() if key in parameters}
+
+
+def load_workload(spec: str, *, only_accepted: bool = False, **options: Any) -> Workload:
     """Build the workload named by ``spec``, passing the options it takes (``None`` ones are left out).
+    An option it does not take is an error, or, with ``only_accepted``, left out.
 
     >>> load_workload("mlp").name
     'mlp'
     """
     name, factory = resolve_factory(spec)
     given = {key: value for key, value in options.items() if value is not None}
+    if only_accepted:
+        given = _accepted(factory, given)
     _check_options(name, factory, given)
     workload = factory(**given)
     if not isinstance(workload, Workload):
