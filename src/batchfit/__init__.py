@@ -19,6 +19,8 @@ from batchfit.estimate import AnalyticEstimate
 from batchfit.estimate import MemoryEstimate
 from batchfit.estimate import analytic_estimate
 from batchfit.estimate import estimate_memory
+from batchfit.microbatch import EvalMicrobatcher
+from batchfit.microbatch import Microbatcher
 from batchfit.plan import BatchPlan
 from batchfit.plan import plan_batch
 from batchfit.search.memory_model import MemoryModel
@@ -48,9 +50,11 @@ __all__ = [
     "CpuDevice",
     "CudaDevice",
     "Device",
+    "EvalMicrobatcher",
     "GradientAccumulator",
     "MemoryEstimate",
     "MemoryModel",
+    "Microbatcher",
     "MpsDevice",
     "NoBatchFitsError",
     "SearchResult",

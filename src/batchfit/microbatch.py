@@ -1,0 +1,289 @@
+"""Keep training alive: split each global batch into micro-batches that fit, and on an OOM
+shrink and replay the whole global batch, so no sample is lost or counted twice and the
+optimizer steps exactly once (the idea of Composer's automatic micro-batching, growing back too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchfit.batching import batch_length
+from batchfit.batching import slice_batch
+from batchfit.devices.oom import is_oom
+from batchfit.devices.resolve import resolve_device
+from batchfit.state import StateSnapshot
+from batchfit.workload import compute_loss
+
+logger = logging.getLogger("batchfit")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One global step: the micro-batch size that completed it, and what it took to get there."""
+
+    step: int
+    micro_batch_size: int
+    micro_batches: int
+    ooms: int
+    replays: int
+    samples: int
+
+
+class _Replay(Exception):
+    """An OOM was cleaned up; the global batch must be replayed."""
+
+
+class Microbatcher:
+    """One optimizer step per global batch, in micro-batches that fit, surviving OOM.
+
+    On an out-of-memory error anywhere in the step, gradients are dropped, the cache emptied, a
+    partial GradScaler step undone, and the micro-batch halved; then the *whole* global batch is
+    replayed. An OOM inside ``optimizer.step()`` cannot be fixed by smaller micro-batches and may
+    have updated some parameters: with ``guard_optimizer_step=True`` (a host copy of parameters and
+    optimizer state before every step, which costs a device-to-host copy per step) it is undone
+    and the step runs again per parameter (``foreach=False``); without it, a clear error says so.
+    After ``grow_after`` clean steps it tries twice the size again, never above one that failed.
+
+    >>> model = torch.nn.Linear(4, 1)
+    >>> batcher = Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1),
+    ...                        loss_fn=torch.nn.functional.mse_loss, micro_batch_size=8)
+    >>> loss = batcher.step((torch.randn(20, 4), torch.randn(20, 1)))
+    >>> batcher.history[-1].micro_batches
+    3
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        loss_fn: Callable | None = None,
+        step_fn: Callable | None = None,
+        device: Any = None,
+        micro_batch_size: int | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        grow_after: int | None = 100,
+        guard_optimizer_step: bool = False,
+        sample_weight: Callable[[Any], int] | None = None,
+    ):
+        if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
+            raise ValueError(f"micro_batch_size must be a positive integer or None, got {micro_batch_size!r}")
+        if grow_after is not None and grow_after < 1:
+            raise ValueError(f"grow_after must be at least 1 or None, got {grow_after!r}")
+        self.model, self.optimizer = model, optimizer
+        self.loss_fn, self.step_fn = loss_fn, step_fn
+        self.device = resolve_device(device, model)
+        self.micro_batch_size = micro_batch_size
+        self.scheduler, self.scaler = scheduler, scaler
+        self.grow_after, self.guard_optimizer_step = grow_after, guard_optimizer_step
+        self.sample_weight = sample_weight or batch_length
+        self.smallest_failure: int | None = None
+        self.history: list[StepRecord] = []
+        self._clean_steps = 0
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def step(self, batch: Any) -> float:
+        """Train on ``batch`` (the whole global batch): one optimizer step. Returns the mean loss."""
+        total = batch_length(batch)
+        size = min(self._current_size(batch), total)
+        ooms = replays = 0
+        while True:
+            try:
+                with self._accounting():
+                    loss = self._accumulate(batch, size)
+                self._optimizer_step()
+                break
+            except _Replay:
+                ooms += 1
+                replays += 1
+                size = self._shrink(size)
+        self.micro_batch_size = size
+        self.history.append(StepRecord(len(self.history), size, -(-total // size), ooms, replays, total))
+        self._maybe_grow(ooms)
+        return loss
+
+    def _current_size(self, batch: Any) -> int:
+        if self.micro_batch_size is None:
+            from batchfit.search.runner import find_max_batch_size
+
+            found = find_max_batch_size(self.model, batch, loss_fn=self.loss_fn, optimizer=self.optimizer,
+                                        step_fn=self.step_fn, device=self.device, max_batch_size=batch_length(batch))  # fmt: skip
+            self.micro_batch_size = found.batch_size
+        return self.micro_batch_size
+
+    def _accounting(self) -> contextlib.AbstractContextManager:
+        # Only a simulated device needs its accounting to raise OOM; real allocators raise their own.
+        return self.device.measuring() if self.device.simulated else contextlib.nullcontext()
+
+    def _accumulate(self, batch: Any, size: int) -> float:
+        total = batch_length(batch)
+        pieces = [slice_batch(batch, start, start + size) for start in range(0, total, size)]
+        weights = [self.sample_weight(piece) for piece in pieces]
+        whole = sum(weights)
+        loss_sum = torch.zeros(())  # summed where the losses are, read once: no sync per micro-batch
+        try:
+            for index, (piece, weight) in enumerate(zip(pieces, weights, strict=True)):
+                sync = index == len(pieces) - 1 or not hasattr(self.model, "no_sync")
+                with contextlib.nullcontext() if sync else self.model.no_sync():
+                    loss = compute_loss(self.model, piece, loss_fn=self.loss_fn, step_fn=self.step_fn) * (
+                        weight / whole
+                    )
+                    (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                loss_sum = loss_sum.to(loss.device) + loss.detach()
+                del loss
+        except BaseException as error:
+            if not is_oom(error):
+                raise
+            why = f"{type(error).__name__} in forward/backward at micro-batch {size}"
+        else:
+            return float(loss_sum)
+        self._clean_up(why)  # after the except block, so the failed micro-batch's tensors are free
+        raise _Replay
+
+    def _optimizer_step(self) -> None:
+        snapshot = self._guard()  # in host memory, outside the device's accounting
+        failed = False
+        try:
+            with self._accounting():
+                self._step_once()
+        except BaseException as error:
+            if not is_oom(error):
+                raise
+            if snapshot is None:
+                raise RuntimeError(
+                    "the optimizer step ran out of memory and may have updated some parameters already: "
+                    "use Microbatcher(..., guard_optimizer_step=True) to undo and retry it exactly, or free memory"
+                ) from error
+            failed = True  # recover after the except block: its traceback holds the partial step's tensors
+        if failed:
+            snapshot.restore()
+            self.device.collect()
+            self._undo_scaler()
+            with self._accounting():
+                self._retry_per_parameter()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _step_once(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
+    def _guard(self) -> StateSnapshot | None:
+        if not self.guard_optimizer_step:
+            return None
+        snapshot = StateSnapshot.take(self.model, self.optimizer)
+        return snapshot
+
+    def _retry_per_parameter(self) -> None:
+        """The optimizer step itself ran out of memory: a smaller micro-batch cannot help, but
+        per-parameter updates (``foreach=False``) need far smaller temporaries."""
+        groups = self.optimizer.param_groups
+        saved = [group.get("foreach") for group in groups]
+        for group in groups:
+            group["foreach"] = False
+        try:
+            self._step_once()
+        finally:
+            for group, foreach in zip(groups, saved, strict=True):
+                group["foreach"] = foreach
+        logger.warning("batchfit: the optimizer step ran out of memory; it ran again per parameter (foreach=False)")
+
+    # -- recovery --------------------------------------------------------------------------------
+
+    def _clean_up(self, why: str) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._undo_scaler()
+        self.device.collect()
+        logger.warning("batchfit: %s; replaying the global batch with smaller micro-batches", why)
+
+    def _undo_scaler(self) -> None:
+        if self.scaler is not None:
+            # GradScaler keeps "unscaled / stepped" flags per optimizer until update(); a step cut
+            # short by an OOM must start over from a clean slate (torch's own reset is update()).
+            self.scaler._per_optimizer_states.clear()
+
+    def _shrink(self, size: int) -> int:
+        self.smallest_failure = size if self.smallest_failure is None else min(self.smallest_failure, size)
+        self._clean_steps = 0
+        if size == 1:
+            raise RuntimeError(
+                f"even a micro-batch of 1 runs out of memory on {self.device.name}: free memory or shrink the model (AMP, checkpointing)"
+            )
+        return size // 2
+
+    def _maybe_grow(self, ooms: int) -> None:
+        self._clean_steps = 0 if ooms else self._clean_steps + 1
+        if self.grow_after is None or self._clean_steps < self.grow_after or self.smallest_failure is None:
+            return
+        grown = min(2 * self.micro_batch_size, self.smallest_failure)
+        if grown > self.micro_batch_size:
+            self.micro_batch_size = grown
+            self._clean_steps = 0
+
+
+class EvalMicrobatcher:
+    """Forward passes under ``torch.no_grad()`` in micro-batches that fit, shrinking on OOM.
+
+    It keeps its own size, so evaluation never shrinks (or waits for) the training micro-batch.
+    ``run(batch)`` returns the outputs of the whole batch, concatenated along the batch dimension.
+
+    >>> evaluator = EvalMicrobatcher(torch.nn.Linear(4, 2), micro_batch_size=3)
+    >>> evaluator.run(torch.randn(10, 4)).shape
+    torch.Size([10, 2])
+    """
+
+    def __init__(self, model: torch.nn.Module, *, device: Any = None, micro_batch_size: int = 64,
+                 forward_fn: Callable[[torch.nn.Module, Any], Any] | None = None):  # fmt: skip
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
+        self.model = model
+        self.device = resolve_device(device, model)
+        self.micro_batch_size = micro_batch_size
+        self.forward_fn = forward_fn or (lambda model, batch: compute_loss(model, batch, need_loss=False))
+        self.ooms = 0
+
+    def run(self, batch: Any) -> Any:
+        """The model's outputs for the whole ``batch``, computed in micro-batches that fit."""
+        total = batch_length(batch)
+        while True:
+            size = min(self.micro_batch_size, total)
+            try:
+                outputs = self._forward_all(batch, size)
+                break
+            except BaseException as error:
+                if not is_oom(error):
+                    raise
+            # only after an OOM, and outside the except block, whose traceback holds the outputs so far
+            self.ooms += 1
+            self.device.collect()
+            if size == 1:
+                raise RuntimeError(f"even one sample runs out of memory in evaluation on {self.device.name}")
+            self.micro_batch_size = size // 2
+        if len(outputs) == 1:
+            return outputs[0]
+        return torch.utils._pytree.tree_map(lambda *parts: torch.cat(parts), *outputs)
+
+    def _forward_all(self, batch: Any, size: int) -> list[Any]:
+        accounting = self.device.measuring() if self.device.simulated else contextlib.nullcontext()
+        training = self.model.training
+        self.model.eval()
+        try:
+            with accounting, torch.no_grad():
+                return [
+                    self.forward_fn(self.model, slice_batch(batch, start, start + size))
+                    for start in range(0, batch_length(batch), size)
+                ]
+        finally:
+            self.model.train(training)

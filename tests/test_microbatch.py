@@ -1,0 +1,232 @@
+"""The Microbatcher keeps training alive with exact gradients; the evaluator shrinks on its own."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import batchfit as bf
+from batchfit.examples import gpt_tiny
+from batchfit.microbatch import EvalMicrobatcher
+from batchfit.microbatch import Microbatcher
+
+GLOBAL = 64
+
+
+def model_and_batch(samples: int = GLOBAL):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4)).double()
+    batch = (torch.randn(samples, 32, dtype=torch.float64), torch.randn(samples, 4, dtype=torch.float64))
+    return model, batch
+
+
+def make_optimizer(kind: str, model):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def reference_step(kind: str, steps: int = 2, samples: int = GLOBAL):
+    model, batch = model_and_batch(samples)
+    optimizer = make_optimizer(kind, model)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        F.mse_loss(model(batch[0]), batch[1]).backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def transient_bytes(model, optimizer, batch, micro: int, loss_fn=F.mse_loss) -> int:
+    """Bytes a second Microbatcher step at ``micro`` needs beyond what is live between steps."""
+    model, optimizer = copy.deepcopy((model, optimizer))
+    device = bf.SimulatedDevice("1GiB")
+    batcher = Microbatcher(model, optimizer, loss_fn=loss_fn, device=device, micro_batch_size=micro, grow_after=None)
+    batcher.step(batch)
+    live = device.live_bytes()
+    device.reset_peak()
+    batcher.step(batch)
+    return device.peak_bytes() - live
+
+
+def step_peak(kind: str, micro: int) -> int:
+    """The peak of two Microbatcher steps at ``micro`` on a device with room to spare."""
+    model, batch = model_and_batch()
+    device = bf.SimulatedDevice("1GiB")
+    batcher = Microbatcher(
+        model,
+        make_optimizer(kind, model),
+        loss_fn=F.mse_loss,
+        device=device,
+        micro_batch_size=micro,
+        guard_optimizer_step=False,
+    )
+    device.reset_peak()
+    for _ in range(2):
+        batcher.step(batch)
+    return device.peak_bytes()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize(
+    ("samples", "start", "sizes"), [(64, 64, [64, 32, 16]), (60, 16, [16])], ids=["shrink-64-to-16", "uneven-60-by-16"]
+)
+def test_shrinking_and_replaying_gives_the_full_batch_step_exactly(kind, samples, start, sizes):
+    capacity = (step_peak(kind, 16) + step_peak(kind, 32)) // 2  # micro-batch 16 fits, 32 does not
+    model, batch = model_and_batch(samples)
+    optimizer = make_optimizer(kind, model)
+    batcher = Microbatcher(
+        model, optimizer, loss_fn=F.mse_loss, device=bf.SimulatedDevice(capacity), micro_batch_size=start
+    )
+    for _ in range(2):
+        batcher.step(batch)
+    expected, expected_optimizer = reference_step(kind, samples=samples)
+    for mine, theirs in zip(model.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10)
+    # 32 may still fit in step 1 (no optimizer state yet during backward) and fail in step 2
+    assert sum(record.ooms for record in batcher.history) == len(sizes) - 1
+    assert batcher.history[-1].micro_batch_size == 16 and batcher.history[-1].micro_batches == -(-samples // 16)
+    assert all(record.samples == samples for record in batcher.history)
+    if kind == "adamw":  # the optimizer stepped exactly once per global batch
+        steps = {int(state["step"]) for state in optimizer.state.values()}
+        assert steps == {2} == {int(state["step"]) for state in expected_optimizer.state.values()}
+
+
+def wide_model_and_batch():
+    """Many equal layers and small activations: AdamW's foreach temporaries (over all parameters at
+    once) set the peak, while per-parameter ones stay small."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)]).double()
+    return model, (torch.randn(4, 64, dtype=torch.float64), torch.randn(4, 64, dtype=torch.float64))
+
+
+def test_an_oom_in_the_optimizer_step_is_undone_and_run_per_parameter(caplog):
+    def peak(foreach: bool) -> int:
+        model, batch = wide_model_and_batch()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
+        device = bf.SimulatedDevice("1GiB")
+        batcher = Microbatcher(
+            model, optimizer, loss_fn=F.mse_loss, device=device, micro_batch_size=4, guard_optimizer_step=False
+        )
+        for _ in range(2):
+            batcher.step(batch)
+        return device.peak_bytes()
+
+    foreach, single = peak(True), peak(False)
+    assert foreach > single  # AdamW's foreach temporaries set the peak; per parameter they are smaller
+    capacity = (foreach + single) // 2
+    other, batch = wide_model_and_batch()
+    unguarded = Microbatcher(other, torch.optim.AdamW(other.parameters(), lr=1e-3, foreach=True), loss_fn=F.mse_loss,
+                             device=bf.SimulatedDevice(capacity), micro_batch_size=4)  # fmt: skip
+    with pytest.raises(RuntimeError, match="may have updated some parameters already: use .*guard_optimizer_step=True"):
+        for _ in range(2):
+            unguarded.step(batch)
+
+    model, batch = wide_model_and_batch()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)  # on CPU the default is per parameter
+    batcher = Microbatcher(model, optimizer, loss_fn=F.mse_loss, device=bf.SimulatedDevice(capacity), micro_batch_size=4,
+                           guard_optimizer_step=True)  # fmt: skip
+    with caplog.at_level("WARNING", logger="batchfit"):
+        for _ in range(2):
+            batcher.step(batch)
+    assert "the optimizer step ran out of memory; it ran again per parameter (foreach=False)" in caplog.text
+    expected, (inputs, targets) = wide_model_and_batch()
+    reference = make_optimizer("adamw", expected)
+    for _ in range(2):
+        reference.zero_grad()
+        F.mse_loss(expected(inputs), targets).backward()
+        reference.step()
+    for mine, theirs in zip(model.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10)
+    assert {int(state["step"]) for state in optimizer.state.values()} == {2}
+    assert optimizer.param_groups[0]["foreach"] is True  # put back after the retry
+
+
+def test_other_errors_propagate_unchanged():
+    model, batch = model_and_batch()
+    batcher = Microbatcher(
+        model, make_optimizer("sgd", model), loss_fn=lambda out, target: out.missing, micro_batch_size=8
+    )
+    with pytest.raises(AttributeError, match="missing"):
+        batcher.step(batch)
+
+
+def test_a_capacity_drop_mid_run_keeps_every_step_and_sample():
+    work = gpt_tiny(seq_len=16)
+    inputs, targets = work.sample_batch
+    batch = (inputs.repeat(4, 1), targets.repeat(4, 1))  # a global batch of 16 sequences
+    device = bf.SimulatedDevice("1GiB")
+    batcher = Microbatcher(
+        work.model, work.optimizer, loss_fn=work.loss_fn, device=device, micro_batch_size=16, grow_after=None
+    )
+    for step in range(200):
+        if step == 100:  # another tenant arrives: what is live now, plus room for micro-batches of 4, not 8
+            room = (
+                transient_bytes(work.model, work.optimizer, batch, 4, work.loss_fn)
+                + transient_bytes(work.model, work.optimizer, batch, 8, work.loss_fn)
+            ) // 2
+            device.counter.limit_bytes = device.live_bytes() + room
+        batcher.step(batch)
+    assert len(batcher.history) == 200 and sum(record.samples for record in batcher.history) == 200 * 16
+    assert {int(state["step"]) for state in work.optimizer.state.values()} == {200}
+    assert all(record.micro_batch_size == 16 and record.ooms == 0 for record in batcher.history[:100])
+    assert batcher.history[100].ooms == 2 and all(record.micro_batch_size == 4 for record in batcher.history[100:])
+
+
+def test_it_grows_back_after_clean_steps_but_never_above_a_failure():
+    model, batch = model_and_batch()
+    capacity = (step_peak("sgd", 16) + step_peak("sgd", 32)) // 2
+    device = bf.SimulatedDevice(capacity)
+    batcher = Microbatcher(
+        model, make_optimizer("sgd", model), loss_fn=F.mse_loss, device=device, micro_batch_size=64, grow_after=2
+    )
+    for _ in range(6):
+        batcher.step(batch)
+    sizes = [record.micro_batch_size for record in batcher.history]
+    assert batcher.smallest_failure == 32 and sizes[-1] <= 32  # 64 and 32 failed
+    assert (
+        max(sizes) <= 32 and sum(record.ooms for record in batcher.history) >= 3
+    )  # it tried 32 again after clean steps
+
+
+def test_without_a_size_it_finds_one_on_the_first_batch():
+    model, batch = model_and_batch()
+    capacity = (step_peak("sgd", 16) + step_peak("sgd", 32)) // 2
+    found = bf.find_max_batch_size(model, batch, loss_fn=F.mse_loss, optimizer=make_optimizer("sgd", model),
+                                   device=bf.SimulatedDevice(capacity), max_batch_size=GLOBAL)  # fmt: skip
+    batcher = Microbatcher(model, make_optimizer("sgd", model), loss_fn=F.mse_loss, device=bf.SimulatedDevice(capacity))
+    batcher.step(batch)
+    assert batcher.history[0].micro_batch_size == found.batch_size and batcher.history[0].samples == GLOBAL
+
+
+def test_the_evaluator_shrinks_on_oom_without_touching_training():
+    model, batch = model_and_batch()
+    full = model(batch[0]).detach()
+    trainer = Microbatcher(model, make_optimizer("sgd", model), loss_fn=F.mse_loss, micro_batch_size=64)
+    evaluator = EvalMicrobatcher(model, device=bf.SimulatedDevice(_eval_capacity(model, batch)), micro_batch_size=64,
+                                 forward_fn=lambda m, b: m(b[0]))  # fmt: skip
+    outputs = evaluator.run(batch)
+    torch.testing.assert_close(outputs, full, rtol=0, atol=1e-12)
+    assert evaluator.ooms >= 1 and evaluator.micro_batch_size < 64 and trainer.micro_batch_size == 64
+    assert model.training
+
+
+def _eval_capacity(model, batch) -> int:
+    device = bf.SimulatedDevice("1GiB")
+    device.register(model.parameters())
+    device.register(batch)
+    base = device.live_bytes()
+    device.reset_peak()
+    with device.measuring(), torch.no_grad():
+        model(batch[0][:10])
+    return device.peak_bytes() + (device.peak_bytes() - base) // 2  # room for 10-15 rows, not 64
+
+
+def test_bad_arguments():
+    model, _ = model_and_batch()
+    with pytest.raises(ValueError, match="micro_batch_size must be a positive integer or None, got 0"):
+        Microbatcher(model, make_optimizer("sgd", model), micro_batch_size=0)
+    with pytest.raises(ValueError, match="grow_after must be at least 1 or None"):
+        Microbatcher(model, make_optimizer("sgd", model), grow_after=0)
