@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from batchfit import distributed
 from batchfit.batching import batch_length
 from batchfit.batching import slice_batch
 from batchfit.devices.oom import is_oom
@@ -33,10 +34,6 @@ class StepRecord:
     ooms: int
     replays: int
     samples: int
-
-
-class _Replay(Exception):
-    """An OOM was cleaned up; the global batch must be replayed."""
 
 
 class Microbatcher:
@@ -91,20 +88,31 @@ class Microbatcher:
     # -- the step --------------------------------------------------------------------------------
 
     def step(self, batch: Any) -> float:
-        """Train on ``batch`` (the whole global batch): one optimizer step. Returns the mean loss."""
+        """Train on ``batch`` (the whole global batch): one optimizer step. Returns the mean loss.
+
+        Under a process group, ranks agree after the micro-batches whether any ran out of memory
+        and then all shrink and replay together; DDP gradients are averaged once, explicitly, so no
+        rank ever waits in a gradient all-reduce that an out-of-memory rank will never join.
+        """
         total = batch_length(batch)
         size = min(self._current_size(batch), total)
+        agreeing = distributed.active()
         ooms = replays = 0
         while True:
-            try:
-                with self._accounting():
-                    loss = self._accumulate(batch, size)
-                self._optimizer_step()
+            with self._accounting():
+                loss = self._accumulate(batch, size, local_only=agreeing)
+            failed = loss is None
+            if agreeing and distributed.any_rank(failed) and not failed:
+                failed = True
+                self._clean_up("another rank ran out of memory")
+            if not failed:
                 break
-            except _Replay:
-                ooms += 1
-                replays += 1
-                size = self._shrink(size)
+            ooms += 1
+            replays += 1
+            size = self._shrink(size)
+        if agreeing and hasattr(self.model, "no_sync"):
+            distributed.average_gradients(self.model)
+        self._optimizer_step()
         self.micro_batch_size = size
         self.history.append(StepRecord(len(self.history), size, -(-total // size), ooms, replays, total))
         self._maybe_grow(ooms)
@@ -123,7 +131,9 @@ class Microbatcher:
         # Only a simulated device needs its accounting to raise OOM; real allocators raise their own.
         return self.device.measuring() if self.device.simulated else contextlib.nullcontext()
 
-    def _accumulate(self, batch: Any, size: int) -> float:
+    def _accumulate(self, batch: Any, size: int, local_only: bool = False) -> float | None:
+        """Backward over every micro-batch; the mean loss, or ``None`` after an OOM (cleaned up).
+        DDP synchronises on the last micro-batch only, or never with ``local_only``."""
         total = batch_length(batch)
         pieces = [slice_batch(batch, start, start + size) for start in range(0, total, size)]
         weights = [self.sample_weight(piece) for piece in pieces]
@@ -131,8 +141,8 @@ class Microbatcher:
         loss_sum = torch.zeros(())  # summed where the losses are, read once: no sync per micro-batch
         try:
             for index, (piece, weight) in enumerate(zip(pieces, weights, strict=True)):
-                sync = index == len(pieces) - 1 or not hasattr(self.model, "no_sync")
-                with contextlib.nullcontext() if sync else self.model.no_sync():
+                defer = hasattr(self.model, "no_sync") and (local_only or index < len(pieces) - 1)
+                with self.model.no_sync() if defer else contextlib.nullcontext():
                     loss = compute_loss(self.model, piece, loss_fn=self.loss_fn, step_fn=self.step_fn) * (
                         weight / whole
                     )
@@ -146,7 +156,7 @@ class Microbatcher:
         else:
             return float(loss_sum)
         self._clean_up(why)  # after the except block, so the failed micro-batch's tensors are free
-        raise _Replay
+        return None
 
     def _optimizer_step(self) -> None:
         snapshot = self._guard()  # in host memory, outside the device's accounting

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from batchfit import distributed
 from batchfit.batching import bytes_per_sample
 from batchfit.devices.base import Device
 from batchfit.devices.resolve import resolve_device
@@ -115,25 +116,35 @@ def search(
     on_trial: Callable[[Trial], None] | None = None,
     on_trial_start: Callable[[int], None] | None = None,
     trace: bool = True,
+    agree: bool | None = None,
 ) -> SearchResult:
     """Find the largest batch size of ``workload`` that fits; see ``find_max_batch_size``.
 
     ``on_trial_start(batch_size)`` and ``on_trial(trial)`` are called around every trial.
+    ``agree`` (default: when a process group is initialised) makes all ranks agree on every trial.
     """
     _check_bounds(min_batch_size, max_batch_size, max_trials)
     chosen = make_strategy(strategy)
     dev = resolve_device(device, workload.model)
     capacity, limit = usable_bytes(dev, margin)
+    agreeing = distributed.active() if agree is None else agree
+    if agreeing and limit is not None:
+        limit = distributed.agree_min(limit)  # every rank aims at the smallest device's memory
     traced = None
     if trace and strategy == "auto" and limit is not None and not getattr(dev, "traces", False):
         traced = _trace_guess(workload, dev, limit, (min_batch_size, max_batch_size), steps)
-        if traced is not None and traced["batch_size"] is not None:
-            chosen = make_strategy("auto", guess=traced["batch_size"])
+        guess = traced["batch_size"] if traced is not None else None
+        if agreeing:
+            guess = distributed.agree_min(guess if guess is not None else 0) or None
+        if guess is not None:
+            chosen = make_strategy("auto", guess=guess)
     workload = dev.prepare(workload)
     trials: list[Trial] = []
     start = time.perf_counter()
     with Prober(workload, dev, steps=steps, limit_bytes=limit) as prober:
         top = max_batch_size or _upper_bound(workload, limit, prober.baseline_bytes, min_batch_size)
+        if agreeing:
+            top = distributed.agree_min(top)
         space = SearchSpace(min_batch_size, top, limit)
         while max_trials is None or len(trials) < max_trials:
             batch_size = chosen.next(trials, space)
@@ -143,6 +154,8 @@ def search(
             if on_trial_start is not None:
                 on_trial_start(batch_size)
             trial = prober.probe(batch_size)
+            if agreeing:
+                trial = distributed.agree_trial(trial)  # fits only if it fit on every rank
             trials.append(trial)
             logger.info(trial.describe(capacity))
             if on_trial is not None:
@@ -197,7 +210,9 @@ def find_max_batch_size(
     optimizer step, AMP if ``amp_dtype``) on a batch built from ``sample_batch``; an
     out-of-memory error marks the size as failing and everything is restored. ``device=None``
     probes where the model is; ``"sim:8GiB"`` or ``SimulatedDevice("8GiB")`` simulates a GPU on the
-    CPU. ``margin`` keeps headroom (bytes, ``"512MiB"`` or a fraction such as ``0.05``).
+    CPU. ``margin`` keeps headroom (bytes, ``"512MiB"`` or a fraction such as ``0.05``). Under an
+    initialised ``torch.distributed`` process group every rank runs the same trials and all ranks
+    return the same size: the largest that fits on every one of them.
     ``strategy``: ``auto`` (default), ``binary``, ``power``, ``grow``, ``halving``. With
     ``auto`` and ``trace=True``, the edge is first estimated on a ``TraceDevice`` (fake tensors,
     nothing allocated) and real trials only verify and refine it.
