@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -230,3 +231,70 @@ def test_bad_arguments():
         Microbatcher(model, make_optimizer("sgd", model), micro_batch_size=0)
     with pytest.raises(ValueError, match="grow_after must be at least 1 or None"):
         Microbatcher(model, make_optimizer("sgd", model), grow_after=0)
+
+
+class TokenModel(torch.nn.Module):
+    """Per-sample mean of a masked per-token loss: padding never counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 32, dtype=torch.float64)
+        self.head = torch.nn.Linear(32, 50, dtype=torch.float64)
+
+    def forward(self, input_ids, attention_mask):
+        logits = self.head(torch.tanh(self.embed(input_ids)))
+        per_token = F.cross_entropy(logits.transpose(1, 2), input_ids, reduction="none") * attention_mask
+        return {"loss": (per_token.sum(1) / attention_mask.sum(1)).mean()}
+
+
+def token_batch():
+    torch.manual_seed(0)
+    lengths = torch.tensor([4, 16, 9, 12, 3, 16, 7, 10, 5, 14, 8, 11])
+    mask = (torch.arange(16)[None, :] < lengths[:, None]).to(torch.float64)
+    return {"input_ids": torch.randint(0, 50, (12, 16)), "attention_mask": mask}
+
+
+def test_max_tokens_packs_by_tokens_and_keeps_the_full_batch_gradient():
+    batch = token_batch()
+    torch.manual_seed(1)
+    model = TokenModel()
+    reference = copy.deepcopy(model)
+    batcher = Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), max_tokens=32)
+    slices = batcher._slices(batch, 32)
+    tokens = batch["attention_mask"].sum(1)
+    assert slices[0][0] == 0 and slices[-1][1] == 12 and all(a[1] == b[0] for a, b in itertools.pairwise(slices))
+    assert all(tokens[start:stop].sum() <= 32 for start, stop in slices) and len(slices) > 3
+    batcher.step(batch)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(**batch)["loss"].backward()
+    optimizer.step()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10)
+    assert batcher.history[-1].micro_batches == len(slices)
+
+
+def test_max_tokens_halves_the_budget_on_oom():
+    batch = token_batch()
+
+    def peak(budget: int) -> int:
+        torch.manual_seed(1)
+        model = TokenModel()
+        device = bf.SimulatedDevice("1GiB")
+        batcher = Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), device=device, max_tokens=budget)
+        for _ in range(2):
+            batcher.step(batch)
+        return device.peak_bytes()
+
+    torch.manual_seed(1)
+    model = TokenModel()
+    capacity = (peak(32) + peak(64)) // 2
+    batcher = Microbatcher(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), device=bf.SimulatedDevice(capacity), max_tokens=64
+    )
+    for _ in range(2):
+        batcher.step(batch)
+    assert batcher.max_tokens == 32 and sum(record.ooms for record in batcher.history) >= 1
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), max_tokens=0)
+    with pytest.raises(RuntimeError, match="a single sample holds 16 tokens, more than the budget of 8"):
+        Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), max_tokens=8).step(batch)

@@ -36,6 +36,21 @@ class StepRecord:
     samples: int
 
 
+def default_tokens_per_sample(batch: Any) -> torch.Tensor:
+    """Tokens in each sample: the sum of ``attention_mask`` where there is one, else the length
+    of the sequence dimension of the first tensor with one."""
+    from collections.abc import Mapping
+
+    from batchfit.batching import tensor_leaves
+
+    if isinstance(batch, Mapping) and "attention_mask" in batch:
+        return batch["attention_mask"].sum(dim=1)
+    sequence = next((t for t in tensor_leaves(batch) if t.dim() >= 2), None)
+    if sequence is None:
+        raise ValueError("max_tokens needs sequences: give tokens_per_sample(batch) -> tokens of each sample")
+    return torch.full((sequence.shape[0],), sequence.shape[1])
+
+
 class Microbatcher:
     """One optimizer step per global batch, in micro-batches that fit, surviving OOM.
 
@@ -46,6 +61,9 @@ class Microbatcher:
     optimizer state before every step, which costs a device-to-host copy per step) it is undone
     and the step runs again per parameter (``foreach=False``); without it, a clear error says so.
     After ``grow_after`` clean steps it tries twice the size again, never above one that failed.
+    With ``max_tokens``, micro-batches are contiguous runs of samples holding at most that many
+    tokens (``tokens_per_sample``, by default from ``attention_mask`` or the sequence length), and
+    it is the token budget that halves on OOM.
 
     >>> model = torch.nn.Linear(4, 1)
     >>> batcher = Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -69,7 +87,11 @@ class Microbatcher:
         grow_after: int | None = 100,
         guard_optimizer_step: bool = False,
         sample_weight: Callable[[Any], int] | None = None,
+        max_tokens: int | None = None,
+        tokens_per_sample: Callable[[Any], torch.Tensor] | None = None,
     ):
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
         if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
             raise ValueError(f"micro_batch_size must be a positive integer or None, got {micro_batch_size!r}")
         if grow_after is not None and grow_after < 1:
@@ -81,6 +103,8 @@ class Microbatcher:
         self.scheduler, self.scaler = scheduler, scaler
         self.grow_after, self.guard_optimizer_step = grow_after, guard_optimizer_step
         self.sample_weight = sample_weight or batch_length
+        self.max_tokens = max_tokens
+        self.tokens_per_sample = tokens_per_sample or default_tokens_per_sample
         self.smallest_failure: int | None = None
         self.history: list[StepRecord] = []
         self._clean_steps = 0
@@ -95,7 +119,7 @@ class Microbatcher:
         rank ever waits in a gradient all-reduce that an out-of-memory rank will never join.
         """
         total = batch_length(batch)
-        size = min(self._current_size(batch), total)
+        size = self.max_tokens if self.max_tokens is not None else min(self._current_size(batch), total)
         agreeing = distributed.active()
         ooms = replays = 0
         while True:
@@ -113,8 +137,13 @@ class Microbatcher:
         if agreeing and hasattr(self.model, "no_sync"):
             distributed.average_gradients(self.model)
         self._optimizer_step()
-        self.micro_batch_size = size
-        self.history.append(StepRecord(len(self.history), size, -(-total // size), ooms, replays, total))
+        slices = self._slices(batch, size)
+        if self.max_tokens is not None:
+            self.max_tokens = size
+        else:
+            self.micro_batch_size = size
+        largest = max(stop - start for start, stop in slices)
+        self.history.append(StepRecord(len(self.history), largest, len(slices), ooms, replays, total))
         self._maybe_grow(ooms)
         return loss
 
@@ -134,8 +163,7 @@ class Microbatcher:
     def _accumulate(self, batch: Any, size: int, local_only: bool = False) -> float | None:
         """Backward over every micro-batch; the mean loss, or ``None`` after an OOM (cleaned up).
         DDP synchronises on the last micro-batch only, or never with ``local_only``."""
-        total = batch_length(batch)
-        pieces = [slice_batch(batch, start, start + size) for start in range(0, total, size)]
+        pieces = [slice_batch(batch, start, stop) for start, stop in self._slices(batch, size)]
         weights = [self.sample_weight(piece) for piece in pieces]
         whole = sum(weights)
         loss_sum = torch.zeros(())  # summed where the losses are, read once: no sync per micro-batch
@@ -157,6 +185,25 @@ class Microbatcher:
             return float(loss_sum)
         self._clean_up(why)  # after the except block, so the failed micro-batch's tensors are free
         return None
+
+    def _slices(self, batch: Any, size: int) -> list[tuple[int, int]]:
+        """Row ranges of the micro-batches: ``size`` rows each, or at most ``size`` tokens each."""
+        total = batch_length(batch)
+        if self.max_tokens is None:
+            return [(start, min(start + size, total)) for start in range(0, total, size)]
+        tokens = [int(count) for count in self.tokens_per_sample(batch)]
+        if max(tokens) > size:
+            raise RuntimeError(
+                f"a single sample holds {max(tokens)} tokens, more than the budget of {size}: raise max_tokens or free memory"
+            )
+        slices, start, held = [], 0, 0
+        for row, count in enumerate(tokens):
+            if held + count > size:
+                slices.append((start, row))
+                start, held = row, 0
+            held += count
+        slices.append((start, total))
+        return slices
 
     def _optimizer_step(self) -> None:
         snapshot = self._guard()  # in host memory, outside the device's accounting
@@ -234,6 +281,8 @@ class Microbatcher:
         return size // 2
 
     def _maybe_grow(self, ooms: int) -> None:
+        if self.max_tokens is not None:
+            return  # the token budget only shrinks
         self._clean_steps = 0 if ooms else self._clean_steps + 1
         if self.grow_after is None or self._clean_steps < self.grow_after or self.smallest_failure is None:
             return
