@@ -92,3 +92,38 @@ def test_real_batch_encoding_if_transformers_is_installed():
 def test_bad_batches_name_the_fix(batch, message):
     with pytest.raises(ValueError, match=message):
         batch_length(batch)
+
+
+def test_padding_to_the_longest_sequence_makes_the_worst_case():
+    from batchfit.batching import pad_sequences
+
+    batch = {
+        "input_ids": torch.ones(2, 3, dtype=torch.long),
+        "attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
+        "label": torch.tensor([0, 1]),
+    }
+    padded = pad_sequences(batch, 6, value=7)
+    assert padded["input_ids"].shape == (2, 6) and padded["input_ids"][0, 3:].tolist() == [7, 7, 7]
+    assert padded["attention_mask"][:, 3:].eq(1).all() and padded["attention_mask"][:, :3].tolist() == [
+        [1, 1, 0],
+        [1, 0, 0],
+    ]
+    assert padded["label"].tolist() == [0, 1]  # no sequence dimension: kept
+    assert pad_sequences((torch.zeros(2, 8), torch.zeros(2)), 4)[0].shape == (2, 8)  # never truncated
+    with pytest.raises(ValueError, match="longest sequence length must be a positive integer"):
+        pad_sequences(batch, 0)
+
+
+def test_the_search_at_the_longest_sequence_finds_a_smaller_batch():
+    import batchfit as bf
+    from batchfit.examples import gpt_tiny
+
+    work = gpt_tiny(seq_len=128)  # a model for sequences up to 128 tokens
+    ids, targets = work.sample_batch
+    short = (ids[:, :32], targets[:, :32])  # but the sample at hand is short
+    kwargs = {"loss_fn": work.loss_fn, "optimizer": work.optimizer, "device": "sim:64MiB", "max_batch_size": 512}
+    at_sample = bf.find_max_batch_size(work.model, short, **kwargs)
+    worst = bf.find_max_batch_size(work.model, short, longest_seq_len=128, **kwargs)
+    direct = bf.find_max_batch_size(work.model, work.sample_batch, **kwargs)
+    assert worst.batch_size < at_sample.batch_size
+    assert abs(worst.batch_size - direct.batch_size) <= 1  # the same as a sample that long

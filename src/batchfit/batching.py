@@ -109,6 +109,33 @@ def slice_batch(batch: Any, start: int, stop: int) -> Any:
     return map_tensors(lambda tensor: tensor if tensor.dim() == 0 else tensor[start:stop], batch)
 
 
+def pad_sequences(batch: Any, length: int, *, value: int | float = 0) -> Any:
+    """Every sequence in ``batch`` padded along dim 1 to ``length``, the worst case a run will hit.
+
+    Tensors with a second dimension shorter than ``length`` are padded with ``value``; masks
+    (keys containing ``mask``) with 1, so every padded position is attended, as the longest real
+    sequences would be. Seed 002's point: probe what the real run will hit.
+
+    >>> pad_sequences({"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3)}, 5)["attention_mask"].sum().item()
+    10.0
+    """
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"the longest sequence length must be a positive integer, got {length!r}")
+
+    def pad(tensor: torch.Tensor, fill: int | float) -> torch.Tensor:
+        if tensor.dim() < 2 or tensor.shape[1] >= length:
+            return tensor
+        shape = (tensor.shape[0], length - tensor.shape[1], *tensor.shape[2:])
+        return torch.cat([tensor, torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)], dim=1)
+
+    if isinstance(batch, Mapping):
+        items = {
+            key: pad_sequences(item, length, value=1 if "mask" in str(key) else value) for key, item in batch.items()
+        }
+        return _rebuild_mapping(batch, items)
+    return map_tensors(lambda tensor: pad(tensor, value), batch)
+
+
 def move_batch(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor on ``device`` (tensors already there are kept as they are)."""
     return map_tensors(lambda tensor: tensor.to(device), batch)

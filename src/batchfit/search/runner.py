@@ -11,6 +11,7 @@ import torch
 
 from batchfit import distributed
 from batchfit.batching import bytes_per_sample
+from batchfit.batching import pad_sequences
 from batchfit.devices.base import Device
 from batchfit.devices.resolve import resolve_device
 from batchfit.probe import Prober
@@ -203,6 +204,7 @@ def find_max_batch_size(
     step_fn: Callable | None = None,
     on_trial: Callable[[Trial], None] | None = None,
     trace: bool = True,
+    longest_seq_len: int | None = None,
 ) -> SearchResult:
     """The largest batch size that really fits: every answer is a size a trial ran.
 
@@ -215,7 +217,9 @@ def find_max_batch_size(
     return the same size: the largest that fits on every one of them.
     ``strategy``: ``auto`` (default), ``binary``, ``power``, ``grow``, ``halving``. With
     ``auto`` and ``trace=True``, the edge is first estimated on a ``TraceDevice`` (fake tensors,
-    nothing allocated) and real trials only verify and refine it.
+    nothing allocated) and real trials only verify and refine it. ``longest_seq_len`` pads every
+    sequence of the sample to the longest length the run will see (masks fully attended), so the
+    answer holds for the worst batch, not the sample's.
 
     >>> import batchfit as bf
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
@@ -225,6 +229,8 @@ def find_max_batch_size(
     >>> result.batch_size > 0 and result.trials[-1].batch_size in (result.batch_size, result.batch_size + 1)
     True
     """
+    if longest_seq_len is not None:
+        sample_batch = pad_sequences(sample_batch, longest_seq_len)
     workload = Workload(
         model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
     )
