@@ -48,3 +48,23 @@ def test_merging_trials_keeps_the_worst_case():
     worst = _merge([fit, failed])
     assert not worst.fits and worst.oom and worst.failed_phase == "forward" and worst.peak_bytes is None
     pytest.importorskip("torch.distributed")
+
+
+def test_a_rank_that_dies_makes_the_other_fail_clearly_within_the_timeout(tmp_path):
+    out = tmp_path / "dead.json"
+    script = str(Path(__file__).with_name("ddp_dead_rank.py"))
+    base = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": "2", "BATCHFIT_AGREEMENT_TIMEOUT_SECONDS": "5"}  # fmt: skip
+    ranks = [subprocess.Popen([sys.executable, script, str(out)], env={**base, "RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]  # fmt: skip
+    try:
+        codes = [process.wait(timeout=120) for process in ranks]
+    finally:
+        for process in ranks:
+            process.kill()
+    assert codes[1] == 3
+    outcome = json.loads(out.read_text())
+    assert (
+        outcome["error"] is not None and "batchfit: a rank did not reach the batch-size agreement" in outcome["error"]
+    )
+    assert outcome["seconds"] < 60

@@ -298,3 +298,31 @@ def test_max_tokens_halves_the_budget_on_oom():
         Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), max_tokens=0)
     with pytest.raises(RuntimeError, match="a single sample holds 16 tokens, more than the budget of 8"):
         Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), max_tokens=8).step(batch)
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_an_oom_injected_in_forward_or_backward_recovers_exactly(phase):
+    model, batch = model_and_batch(60)
+    calls = []
+
+    def out_of_memory_once(*args):
+        calls.append(phase)
+        if len(calls) == 3:  # the third micro-batch of the first attempt
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected in {phase})")
+
+    layer = model[2]
+    handle = (
+        layer.register_forward_hook(out_of_memory_once)
+        if phase == "forward"
+        else layer.register_full_backward_hook(out_of_memory_once)
+    )
+    optimizer = make_optimizer("adamw", model)
+    batcher = Microbatcher(model, optimizer, loss_fn=F.mse_loss, micro_batch_size=16)
+    for _ in range(2):
+        batcher.step(batch)
+    handle.remove()
+    expected, _ = reference_step("adamw", samples=60)
+    for mine, theirs in zip(model.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10)
+    assert batcher.history[0].ooms == 1 and batcher.history[0].micro_batch_size == 8  # halved and replayed
+    assert {int(state["step"]) for state in optimizer.state.values()} == {2}

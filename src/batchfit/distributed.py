@@ -4,13 +4,19 @@ shrinks together: no rank is ever left waiting in a collective the others will n
 from __future__ import annotations
 
 import dataclasses
+import os
 from datetime import timedelta
 
 import torch
 
 from batchfit.trial import Trial
 
-AGREEMENT_TIMEOUT = timedelta(seconds=120)
+TIMEOUT_VARIABLE = "BATCHFIT_AGREEMENT_TIMEOUT_SECONDS"  # default 120
+
+
+def agreement_timeout() -> timedelta:
+    """How long a rank waits for the others to reach an agreement before naming who is missing."""
+    return timedelta(seconds=float(os.environ.get(TIMEOUT_VARIABLE, "120")))
 
 
 def active() -> bool:
@@ -26,9 +32,11 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _reduce(value: int, op_name: str) -> int:
+def _reduce(value: int, op_name: str, check: bool = True) -> int:
     import torch.distributed as dist
 
+    if check:
+        _fail_fast_if_a_rank_is_gone()
     tensor = torch.tensor([value], dtype=torch.int64, device=_device())
     dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op_name))
     return int(tensor.item())
@@ -41,7 +49,7 @@ def agree_min(value: int) -> int:
 
 def any_rank(flag: bool) -> bool:
     """True when ``flag`` is true on any rank (an OOM anywhere means everyone shrinks)."""
-    return bool(_reduce(int(flag), "MAX"))
+    return bool(_reduce(int(flag), "MAX", check=False))  # once per training step: no extra barrier
 
 
 def _merge(trials: list[Trial]) -> Trial:
@@ -79,12 +87,13 @@ def agree_trial(trial: Trial) -> Trial:
 
 
 def _fail_fast_if_a_rank_is_gone() -> None:
-    """With gloo, a rank that died is named within ``AGREEMENT_TIMEOUT`` instead of a hang."""
+    """With gloo, a rank that died is named within ``agreement_timeout()`` instead of a hang
+    (NCCL has no monitored barrier: there the process group's own timeout applies)."""
     import torch.distributed as dist
 
     if dist.get_backend() == "gloo":
         try:
-            dist.monitored_barrier(timeout=AGREEMENT_TIMEOUT)
+            dist.monitored_barrier(timeout=agreement_timeout())
         except RuntimeError as error:
             raise RuntimeError(f"batchfit: a rank did not reach the batch-size agreement: {error}") from error
 
