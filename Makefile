@@ -33,6 +33,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/search_strategies.py
 	$(BIN)/python benchmarks/trace_cost.py
+	$(BIN)/python benchmarks/microbatch_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info
