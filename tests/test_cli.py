@@ -304,7 +304,7 @@ def test_plan_measures_the_micro_batch_on_a_workload(tiny):
         ),
         (
             ["--micro-batch-size", "16", "--global-batch-size", "64", "--base-lr", "-1", "--base-batch-size", "8"],
-            "base_lr must be a positive number",
+            "base_lr must be a positive, finite number",
         ),
     ],
 )
@@ -323,3 +323,26 @@ def test_optimal_prints_the_table_the_fit_and_the_choice(tiny, tmp_path):
     assert {1, 2, 4, 8, 16, 32, 64} <= {p["batch_size"] for p in document["points"]}
     assert document["batch_size"] in [p["batch_size"] for p in document["points"]]
     assert png_size(out_png) == (1000, 600)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["find", "mlp", "--max-trials", "1", "--json", "."], "cannot write .: it is a folder; give a file path"),
+        (
+            ["plan", "mlp", "--micro-batch-size", "8", "--global-batch-size", "64"],
+            "give either --micro-batch-size N or a WORKLOAD",
+        ),
+        (["optimal", "mlp", "--max-batch-size", "-4"], "max_batch_size must be a positive integer, got -4"),
+    ],
+)
+def test_more_user_errors_exit_2_without_a_traceback(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_a_zero_reserve_is_accepted_in_any_spelling():
+    for reserve in ("0", "0MiB"):
+        result = invoke("estimate", "mlp", "--gpu", "t4-16gb", "--reserve", reserve, "--quiet")
+        assert result.exit_code == 0, result.output

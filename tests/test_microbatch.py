@@ -296,7 +296,7 @@ def test_max_tokens_halves_the_budget_on_oom():
     assert batcher.max_tokens == 32 and sum(record.ooms for record in batcher.history) >= 1
     with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
         Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), max_tokens=0)
-    with pytest.raises(RuntimeError, match="a single sample holds 16 tokens, more than the budget of 8"):
+    with pytest.raises(RuntimeError, match=r"a single sample holds more tokens \(16 here\) than the budget of 8"):
         Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), max_tokens=8).step(batch)
 
 
@@ -326,3 +326,37 @@ def test_an_oom_injected_in_forward_or_backward_recovers_exactly(phase):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10)
     assert batcher.history[0].ooms == 1 and batcher.history[0].micro_batch_size == 8  # halved and replayed
     assert {int(state["step"]) for state in optimizer.state.values()} == {2}
+
+
+def test_a_short_batch_does_not_shrink_the_micro_batch_for_good():
+    model, batch = model_and_batch(64)
+    batcher = Microbatcher(model, make_optimizer("sgd", model), loss_fn=F.mse_loss, micro_batch_size=16)
+    batcher.step((batch[0][:3], batch[1][:3]))  # a short last batch of an epoch
+    batcher.step(batch)
+    assert batcher.history[0].micro_batch_size == 3 and batcher.history[1].micro_batch_size == 16
+
+
+def test_token_weighting_matches_a_token_mean_loss():
+    batch = token_batch()
+
+    def token_mean(model, piece):  # a loss averaged over every token of the batch (Hugging Face style)
+        logits = model.head(torch.tanh(model.embed(piece["input_ids"])))
+        per_token = (
+            F.cross_entropy(logits.transpose(1, 2), piece["input_ids"], reduction="none") * piece["attention_mask"]
+        )
+        return per_token.sum() / piece["attention_mask"].sum()
+
+    torch.manual_seed(1)
+    model = TokenModel()
+    reference = copy.deepcopy(model)
+    batcher = Microbatcher(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), step_fn=token_mean, max_tokens=32, weight="tokens"
+    )
+    batcher.step(batch)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    token_mean(reference, batch).backward()
+    optimizer.step()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="weight must be 'samples'"):
+        Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), weight="bytes")

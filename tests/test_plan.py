@@ -173,7 +173,7 @@ def test_a_batch_size_schedule_ramps_by_accumulation_with_the_lr_following():
         ({"micro_batch_size": 16, "global_batch_size": 64, "devices": 0}, "devices must be a positive integer, got 0"),
         (
             {"micro_batch_size": 16, "global_batch_size": 64, "base_lr": -0.1, "base_batch_size": 64},
-            "base_lr must be a positive number",
+            "base_lr must be a positive, finite number",
         ),
         ({"micro_batch_size": 16, "global_batch_tokens": 4096}, "global_batch_tokens needs seq_len"),
         (
@@ -232,3 +232,46 @@ def test_a_plan_can_carry_a_batch_size_ramp():
     assert ramp[-1]["learning_rate"] == pytest.approx(plan.learning_rate)
     with pytest.raises(ValueError, match="schedule needs epochs"):
         plan_batch(micro_batch_size=32, global_batch_size=512, schedule_from=64)
+
+
+def test_review_fixes_in_the_planner():
+    # a ramp towards a token target scales the learning rate in tokens
+    plan = plan_batch(micro_batch_size=16, global_batch_tokens=65536, seq_len=256, devices=1, base_lr=3e-4,
+                      base_batch_size=65536, epochs=4, schedule_from=64)  # fmt: skip
+    assert plan.schedule[-1].learning_rate == pytest.approx(3e-4) and plan.learning_rate == pytest.approx(3e-4)
+    # warmup epochs become steps without a learning rate too
+    plain = plan_batch(
+        micro_batch_size=16, global_batch_size=64, devices=1, warmup_epochs=1, dataset_size=640, epochs=3
+    )
+    assert plain.warmup_steps == 10 and plain.lr_lambda()(0) == 0.0
+    # a suggested warmup longer than the run is cut to fit, and said
+    short = plan_batch(micro_batch_size=64, global_batch_size=8192, devices=1, base_lr=0.1, base_batch_size=256,
+                       dataset_size=81920, epochs=2)  # fmt: skip
+    assert short.warmup_epochs == 1 and any("do not fit a 2-epoch run" in w for w in short.warnings)
+    # advice in the target's unit: 128 samples of 512 tokens against a 256-sample base is 0.5x, no advice
+    assert not plan_batch(
+        micro_batch_size=16, global_batch_size=128, seq_len=512, base_lr=0.1, base_batch_size=256, devices=1
+    ).advice
+    # the closest achievable split when the target does not divide by the devices
+    uneven = plan_batch(micro_batch_size=16, global_batch_size=100, devices=3)
+    assert uneven.global_batch_size == 99 and any(
+        "100 samples do not split evenly over 3 devices" in w for w in uneven.warnings
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dataset_size": -100}, "dataset_size must be a positive integer"),
+        ({"epochs": 0}, "epochs must be a positive integer"),
+        ({"base_lr": float("nan"), "base_batch_size": 64}, "base_lr must be a positive, finite number"),
+        ({"base_lr": True, "base_batch_size": 64}, "base_lr must be a positive, finite number"),
+        (
+            {"warmup_epochs": 5, "dataset_size": 640, "epochs": 2},
+            r"warmup \(50 steps\) is longer than the run \(20 steps\)",
+        ),
+    ],
+)
+def test_more_bad_planner_inputs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_batch(micro_batch_size=16, global_batch_size=64, devices=1, **kwargs)

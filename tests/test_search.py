@@ -140,3 +140,25 @@ def test_log_lines_follow_seed_002(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0].startswith("✓ Batch size 1 fits — peak ") and " of 400.0 KiB (" in lines[0]
     assert lines[-1].startswith(f"✗ Batch size {result.batch_size + 1}: out of memory in ")
+
+
+def test_running_out_of_trials_is_not_reported_as_nothing_fitting():
+    with pytest.raises(bf.NoBatchFitsError, match="max_trials ran out before any size fitted"):
+        bf.search(
+            mlp_tuple(),
+            device=bf.SimulatedDevice(CASES[0].capacity),
+            strategy="halving",
+            max_batch_size=4096,
+            max_trials=2,
+        )
+
+
+def test_fp16_probes_measure_the_optimizer_state_even_when_the_first_scale_overflows():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    batch = torch.randn(4, 64) * 1e3
+    huge = lambda output, batch: output.float().pow(2).sum() * 1e6  # noqa: E731  overflows at a scale of 2**16
+    params = sum(p.numel() * 4 for p in model.parameters())
+    trial = bf.probe_batch_size(model, batch, 4, loss_fn=huge, optimizer=torch.optim.Adam(model.parameters()),
+                                amp_dtype=torch.float16, device="sim:64MiB")  # fmt: skip
+    assert trial.fits and trial.held_bytes >= 3 * params  # parameters plus Adam's two moments at step 2

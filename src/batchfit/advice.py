@@ -84,10 +84,11 @@ class Stage:
 
 def batch_schedule(start: int, maximum: int, epochs: int, *, micro_batch_size: int, devices: int = 1,
                    ramp: str = "linear", base_lr: float | None = None, base_batch_size: int | None = None,
-                   lr_scaling: str = "linear") -> list[Stage]:  # fmt: skip
+                   lr_scaling: str = "linear", unit: int = 1) -> list[Stage]:  # fmt: skip
     """Seed 001 pattern 7: ramp the global batch from ``start`` to ``maximum`` over ``epochs``,
     realised by the accumulation steps (rounded to whole micro-batches), with the learning rate
-    following ``lr_scaling`` at every stage."""
+    following ``lr_scaling`` at every stage. ``unit`` converts samples to the unit
+    ``base_batch_size`` is in (the sequence length when it counts tokens)."""
     from batchfit.lr import scale_learning_rate
 
     if ramp not in ("linear", "exponential"):
@@ -101,6 +102,10 @@ def batch_schedule(start: int, maximum: int, epochs: int, *, micro_batch_size: i
         wanted = start + (maximum - start) * fraction if ramp == "linear" else start * (maximum / start) ** fraction
         accumulation = max(1, round(wanted / per_step))
         size = accumulation * per_step
-        lr = scale_learning_rate(base_lr, size / base_batch_size, lr_scaling) if base_lr and base_batch_size else None
+        lr = (
+            scale_learning_rate(base_lr, size * unit / base_batch_size, lr_scaling)
+            if base_lr and base_batch_size
+            else None
+        )
         stages.append(Stage(epoch, size, accumulation, lr))
     return stages

@@ -41,7 +41,7 @@ app = typer.Typer(
 console = Console()
 errors = Console(stderr=True)
 
-USER_ERRORS = (ValueError, TypeError, NoBatchFitsError)
+USER_ERRORS = (ValueError, TypeError, NoBatchFitsError, OSError)  # OSError: an output path that cannot be written
 
 
 class Amp(str, Enum):
@@ -214,7 +214,7 @@ def estimate(
 
     if (gpu is None) == (capacity is None):
         raise ValueError("give exactly one of --gpu (e.g. --gpu a100-40gb) or --capacity (e.g. --capacity 40GiB)")
-    reserve_bytes = None if reserve is None else (0 if reserve == "0" else parse_bytes(reserve, what="reserve"))
+    reserve_bytes = None if reserve is None else parse_bytes(reserve, what="reserve", allow_zero=True)
     label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
     tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes)
     work, options = _load(workload, seq_len, image_size, amp)
@@ -360,6 +360,8 @@ def plan(
     from batchfit.plan import plan_batch
 
     measured = None
+    if workload is not None and micro_batch_size is not None:
+        raise ValueError("give either --micro-batch-size N or a WORKLOAD to measure it on, not both")
     if workload is not None:
         work = load_workload(workload, seq_len=seq_len, only_accepted=True)
         with console.status("Measuring the largest micro-batch", spinner="dots"):

@@ -99,11 +99,16 @@ def _fail_fast_if_a_rank_is_gone() -> None:
 
 
 def average_gradients(model: torch.nn.Module) -> None:
-    """What DDP's backward would have done: average every gradient over the ranks."""
+    """What DDP's backward would have done: average every gradient over the ranks. Every
+    trainable parameter takes part, with zeros where this rank left it unused, so all ranks make
+    the same collectives in the same order."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
     for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad)
-            param.grad.div_(world)
+        if not param.requires_grad:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad)
+        param.grad.div_(world)

@@ -16,6 +16,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     b'done'
     """
     target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"cannot write {target}: it is a folder; give a file path such as {target / 'result.json'}")
     if not target.parent.is_dir():
         raise ValueError(f"cannot write {target}: folder {target.parent} does not exist (create it first)")
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")

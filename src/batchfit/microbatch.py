@@ -63,7 +63,9 @@ class Microbatcher:
     After ``grow_after`` clean steps it tries twice the size again, never above one that failed.
     With ``max_tokens``, micro-batches are contiguous runs of samples holding at most that many
     tokens (``tokens_per_sample``, by default from ``attention_mask`` or the sequence length), and
-    it is the token budget that halves on OOM.
+    it is the token budget that halves on OOM. ``weight`` must match how the loss is reduced:
+    ``"samples"`` for a mean over samples, ``"tokens"`` for a mean over tokens (Hugging Face
+    causal-LM losses); only then is the accumulated gradient the full batch's.
 
     >>> model = torch.nn.Linear(4, 1)
     >>> batcher = Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -89,6 +91,7 @@ class Microbatcher:
         sample_weight: Callable[[Any], int] | None = None,
         max_tokens: int | None = None,
         tokens_per_sample: Callable[[Any], torch.Tensor] | None = None,
+        weight: str = "samples",
     ):
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
@@ -102,9 +105,14 @@ class Microbatcher:
         self.micro_batch_size = micro_batch_size
         self.scheduler, self.scaler = scheduler, scaler
         self.grow_after, self.guard_optimizer_step = grow_after, guard_optimizer_step
-        self.sample_weight = sample_weight or batch_length
+        if weight not in ("samples", "tokens"):
+            raise ValueError(
+                f"weight must be 'samples' (a loss averaged per sample) or 'tokens' (a loss averaged per token), got {weight!r}"
+            )
         self.max_tokens = max_tokens
         self.tokens_per_sample = tokens_per_sample or default_tokens_per_sample
+        token_weight = lambda piece: int(self.tokens_per_sample(piece).sum())  # noqa: E731
+        self.sample_weight = sample_weight or (token_weight if weight == "tokens" else batch_length)
         self.smallest_failure: int | None = None
         self.history: list[StepRecord] = []
         self._clean_steps = 0
@@ -121,6 +129,7 @@ class Microbatcher:
         total = batch_length(batch)
         size = self.max_tokens if self.max_tokens is not None else min(self._current_size(batch), total)
         agreeing = distributed.active()
+        self._check_token_budget(batch, size, agreeing)
         ooms = replays = 0
         while True:
             with self._accounting():
@@ -138,10 +147,10 @@ class Microbatcher:
             distributed.average_gradients(self.model)
         self._optimizer_step()
         slices = self._slices(batch, size)
-        if self.max_tokens is not None:
+        if ooms and self.max_tokens is not None:
             self.max_tokens = size
-        else:
-            self.micro_batch_size = size
+        elif ooms:
+            self.micro_batch_size = size  # only a failure shrinks it: a short batch does not
         largest = max(stop - start for start, stop in slices)
         self.history.append(StepRecord(len(self.history), largest, len(slices), ooms, replays, total))
         self._maybe_grow(ooms)
@@ -185,6 +194,19 @@ class Microbatcher:
             return float(loss_sum)
         self._clean_up(why)  # after the except block, so the failed micro-batch's tensors are free
         return None
+
+    def _check_token_budget(self, batch: Any, size: int, agreeing: bool) -> None:
+        """A sample longer than the budget cannot be split: every rank learns it before any raises."""
+        if self.max_tokens is None:
+            return
+        longest = int(self.tokens_per_sample(batch).max())
+        too_long = longest > size
+        if agreeing:
+            too_long = distributed.any_rank(too_long)
+        if too_long:
+            raise RuntimeError(
+                f"a single sample holds more tokens ({longest} here) than the budget of {size}: raise max_tokens or free memory"
+            )
 
     def _slices(self, batch: Any, size: int) -> list[tuple[int, int]]:
         """Row ranges of the micro-batches: ``size`` rows each, or at most ``size`` tokens each."""
@@ -274,6 +296,8 @@ class Microbatcher:
     def _shrink(self, size: int) -> int:
         self.smallest_failure = size if self.smallest_failure is None else min(self.smallest_failure, size)
         self._clean_steps = 0
+        if self.max_tokens is not None and size // 2 < 1:
+            raise RuntimeError(f"even a budget of 1 token runs out of memory on {self.device.name}")
         if size == 1:
             raise RuntimeError(
                 f"even a micro-batch of 1 runs out of memory on {self.device.name}: free memory or shrink the model (AMP, checkpointing)"

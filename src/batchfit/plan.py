@@ -32,6 +32,11 @@ def _positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _optional_positive_int(name: str, value: Any) -> None:
+    if value is not None:
+        _positive_int(name, value)
+
+
 def world_size() -> int:
     """Devices from ``torch.distributed`` when it is initialised, else 1."""
     try:
@@ -69,6 +74,7 @@ class BatchPlan:
     advice: list[str] = field(default_factory=list)
     hardware_calibration: dict[str, Any] | None = None
     schedule: list[Stage] | None = None
+    target_in_tokens: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "devices", "target_samples"):
@@ -176,7 +182,8 @@ def _target_samples(
 def _split(target: int, devices: int, largest_micro: int) -> tuple[int, int, list[str]]:
     """Micro-batch and accumulation for ``target`` samples on ``devices``: the largest exact
     micro-batch <= ``largest_micro``; when none is at least half of it, or the target does not
-    divide by the devices, the closest achievable batch with the largest micro-batch, stated."""
+    divide by the devices, the closest achievable batch (micro-batches of at least half the
+    largest), stated."""
     if target < devices:
         raise ValueError(
             f"the global batch ({target} samples) is smaller than one sample per device ({devices} devices)"
@@ -186,17 +193,19 @@ def _split(target: int, devices: int, largest_micro: int) -> tuple[int, int, lis
         f"the target is {per_device:g} samples per device, fewer than the micro-batch of {largest_micro} that fits: "
         f"the micro-batch is {int(per_device)}"
     ]  # fmt: skip
+    ceiling = min(largest_micro, max(1, int(per_device)))
     if per_device == int(per_device):
-        exact = next(m for m in range(min(largest_micro, int(per_device)), 0, -1) if int(per_device) % m == 0)
-        if exact * 2 >= min(largest_micro, int(per_device)):
+        exact = next(m for m in range(ceiling, 0, -1) if int(per_device) % m == 0)
+        if exact * 2 >= ceiling:
             return exact, int(per_device) // exact, smaller
-    micro = min(largest_micro, max(1, int(per_device)))
-    accumulation = max(1, round(per_device / micro))
+    candidates = [(m, max(1, round(per_device / m))) for m in range(ceiling, (ceiling + 1) // 2 - 1, -1) if m >= 1]
+    micro, accumulation = min(candidates, key=lambda c: (abs(c[0] * c[1] * devices - target), -c[0]))
     achieved = micro * accumulation * devices
+    cause = (f"{target} samples do not split evenly over {devices} devices" if target % devices
+             else f"no micro-batch between {(ceiling + 1) // 2} and {ceiling} splits {int(per_device)} samples per device exactly")  # fmt: skip
     return micro, accumulation, [
-        f"the global batch is {achieved}, not the {target} asked for ({(achieved - target) / target:+.1%}): no micro-batch "
-        f"between {largest_micro // 2} and {largest_micro} splits it exactly on {devices} device(s); change the target "
-        "or the devices to make it exact"
+        f"the global batch is {achieved}, not the {target} asked for ({(achieved - target) / target:+.1%}): {cause}; "
+        "change the target or the devices to make it exact"
     ]  # fmt: skip
 
 
@@ -239,6 +248,8 @@ def plan_batch(
     (8, 32768)
     """
     _positive_int("micro_batch_size", micro_batch_size)
+    _optional_positive_int("dataset_size", dataset_size)
+    _optional_positive_int("epochs", epochs)
     devices = world_size() if devices is None else devices
     _positive_int("devices", devices)
     if goal is not None and goal not in GOALS:
@@ -249,12 +260,13 @@ def plan_batch(
             global_batch_tokens = int(family["global_batch"])
         else:
             global_batch_size = int(family["global_batch"])
-            if base_lr is None and "learning_rate" in family:
+            if base_lr is None and base_batch_size is None and "learning_rate" in family:
                 base_lr, base_batch_size = float(family["learning_rate"]), int(family["global_batch"])
     target, notes = _target_samples(global_batch_size, global_batch_tokens, seq_len)
     micro, accumulation, split_notes = _split(target, devices, micro_batch_size)
     plan = BatchPlan(micro, accumulation, devices, target, seq_len, lr_scaling=lr_scaling, dataset_size=dataset_size,
-                     epochs=epochs, max_micro_batch_size=micro_batch_size, warnings=notes + split_notes)  # fmt: skip
+                     epochs=epochs, max_micro_batch_size=micro_batch_size, warnings=notes + split_notes,
+                     target_in_tokens=global_batch_tokens is not None)  # fmt: skip
     _learning_rate(plan, base_lr, base_batch_size, global_batch_tokens is not None, warmup_epochs, warmup_steps)
     plan.warnings += _warnings(plan, has_batchnorm, fine_tuning, goal, measured_optimal)
     plan.advice += _advice(plan, goal, fine_tuning, capacity_gib, weight_decay)
@@ -267,37 +279,56 @@ def plan_batch(
             )
         plan.schedule = batch_schedule(schedule_from, plan.global_batch_size, epochs, micro_batch_size=plan.micro_batch_size,
                                        devices=devices, ramp=schedule_ramp, base_lr=base_lr, base_batch_size=base_batch_size,
-                                       lr_scaling=lr_scaling)  # fmt: skip
+                                       lr_scaling=lr_scaling, unit=seq_len if plan.target_in_tokens else 1)  # fmt: skip
     return plan
 
 
 def _learning_rate(plan: BatchPlan, base_lr: float | None, base_batch_size: int | None, in_tokens: bool,
                    warmup_epochs: int | None, warmup_steps: int | None) -> None:  # fmt: skip
-    if base_lr is not None and (not isinstance(base_lr, (int, float)) or base_lr <= 0):
-        raise ValueError(f"base_lr must be a positive number, got {base_lr!r}")
+    valid_lr = (
+        isinstance(base_lr, (int, float)) and not isinstance(base_lr, bool) and math.isfinite(base_lr) and base_lr > 0
+    )
+    if base_lr is not None and not valid_lr:
+        raise ValueError(f"base_lr must be a positive, finite number, got {base_lr!r}")
     if (base_lr is None) != (base_batch_size is None):
         raise ValueError("give base_lr and base_batch_size together: the learning rate and the batch it was tuned at")
     if (warmup_epochs is not None and warmup_epochs < 0) or (warmup_steps is not None and warmup_steps < 0):
         raise ValueError("warmup_epochs and warmup_steps cannot be negative")
     plan.warmup_epochs, plan.warmup_steps = warmup_epochs, warmup_steps
-    if base_lr is None:
-        return
+    if base_lr is not None:
+        _scale(plan, base_lr, base_batch_size, in_tokens, suggest=warmup_epochs is None and warmup_steps is None)
+    _warmup_steps(plan)
+
+
+def _scale(plan: BatchPlan, base_lr: float, base_batch_size: int, in_tokens: bool, suggest: bool) -> None:
     _positive_int("base_batch_size", base_batch_size)
     achieved = plan.global_batch_tokens if in_tokens else plan.global_batch_size
     scale = achieved / base_batch_size
     plan.base_learning_rate, plan.base_batch_size = base_lr, base_batch_size
     plan.learning_rate = scale_learning_rate(base_lr, scale, plan.lr_scaling)
     plan.warmup = warmup_need(scale)
-    if warmup_epochs is None and warmup_steps is None:
+    if suggest:
         plan.warmup_epochs = suggested_warmup_epochs(scale)
-    if plan.warmup_steps is None and plan.warmup_epochs is not None and plan.steps_per_epoch is not None:
-        plan.warmup_steps = plan.warmup_epochs * plan.steps_per_epoch
+        if plan.epochs is not None and plan.warmup_epochs >= plan.epochs:
+            plan.warnings.append(f"the suggested {plan.warmup_epochs} warmup epochs do not fit a {plan.epochs}-epoch run: "
+                                 f"warming up over {plan.epochs - 1} instead; consider a smaller batch")  # fmt: skip
+            plan.warmup_epochs = plan.epochs - 1
     if plan.lr_scaling == "none" and scale >= 2:
         plan.warnings.append(
             f"the learning rate is not scaled although the batch is {scale:g}x the tuned one (seed 001)"
         )
-    if plan.warmup in ("required", "critical") and (plan.warmup_epochs == 0 or plan.warmup_steps == 0):
+    if plan.warmup in ("required", "critical") and plan.warmup_epochs == 0:
         plan.warnings.append(f"warmup is {plan.warmup} at {scale:g}x the tuned batch (seed 001), but none is planned")
+
+
+def _warmup_steps(plan: BatchPlan) -> None:
+    """Warmup epochs in optimizer steps, once steps per epoch are known (with or without an LR)."""
+    if plan.warmup_steps is None and plan.warmup_epochs is not None and plan.steps_per_epoch is not None:
+        plan.warmup_steps = plan.warmup_epochs * plan.steps_per_epoch
+    if plan.warmup_steps is not None and plan.total_steps is not None and plan.warmup_steps > plan.total_steps:
+        raise ValueError(
+            f"warmup ({plan.warmup_steps} steps) is longer than the run ({plan.total_steps} steps): shorten it"
+        )
 
 
 def _warnings(
@@ -349,10 +380,6 @@ def _advice(
             "fine-tuning: a small batch (16-32) and a learning rate 10-100x below pre-training preserve what was learned (seed 001)"
         )
     if plan.base_batch_size:
-        achieved = (
-            plan.global_batch_tokens
-            if plan.seq_len and plan.base_batch_size > plan.global_batch_size
-            else plan.global_batch_size
-        )
+        achieved = plan.global_batch_tokens if plan.target_in_tokens else plan.global_batch_size
         advice += regularization_advice(achieved / plan.base_batch_size, weight_decay)
     return advice

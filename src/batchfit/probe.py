@@ -29,13 +29,23 @@ def _same_place(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.type == "cpu" or index_a == index_b)
 
 
-def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
+def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, source: torch.device, target: torch.device) -> None:
+    """Move optimizer state that lives with its parameters from ``source`` to ``target``. As in
+    torch's ``load_state_dict``, a ``step`` count stays where it is unless the group is
+    ``capturable`` or ``fused`` (then it lives on the parameters' device)."""
     if optimizer is None:
         return
-    for entries in optimizer.state.values():
-        for key, value in entries.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                entries[key] = value.to(device)
+    for group in optimizer.param_groups:
+        steps_move = bool(group.get("capturable") or group.get("fused"))
+        for param in group["params"]:
+            entries = optimizer.state.get(param, {})
+            for key, value in entries.items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and _same_place(value.device, source)
+                    and (key != "step" or steps_move)
+                ):
+                    entries[key] = value.to(target)
 
 
 class Prober:
@@ -75,25 +85,32 @@ class Prober:
 
     def __enter__(self) -> Prober:
         work = self.workload
-        self._snapshot = StateSnapshot.take(work.model, work.optimizer)
         self._home = model_device(work.model)
         target = self.device.torch_device
+        # Move first, then snapshot: moving replaces buffer objects, so the snapshot must hold the
+        # tensors the trials will use; __exit__ restores them there and moves everything back.
         if not _same_place(self._home, target):
             work.model.to(target)
-            _move_optimizer_state(work.optimizer, target)
-        self._sample = move_batch(work.sample_batch, target)
-        self.device.register([*work.state_tensors(), *tensor_leaves(self._sample)])
-        self.device.cleanup()
-        self.baseline_bytes = self.device.live_bytes()
-        self._check_capacity()
+            _move_optimizer_state(work.optimizer, self._home, target)
+        try:
+            self._snapshot = StateSnapshot.take(work.model, work.optimizer)
+            self._sample = move_batch(work.sample_batch, target)
+            self.device.register([*work.state_tensors(), *tensor_leaves(self._sample)])
+            self.device.cleanup()
+            self.baseline_bytes = self.device.live_bytes()
+            self._check_capacity()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self._sample = None
-        if self._home is not None and not _same_place(self._home, self.device.torch_device):
-            self.workload.model.to(self._home)
         if self._snapshot is not None:
             self._snapshot.restore()
+        if self._home is not None and not _same_place(self._home, self.device.torch_device):
+            self.workload.model.to(self._home)
+            _move_optimizer_state(self.workload.optimizer, self.device.torch_device, self._home)
         self.device.cleanup()
 
     def _check_capacity(self) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from batchfit.devices.resolve import resolve_device
 from batchfit.probe import Prober
+from batchfit.search.result import NoBatchFitsError
 from batchfit.search.runner import DeviceSpec
 from batchfit.search.runner import search
 from batchfit.search.runner import usable_bytes
@@ -224,15 +225,23 @@ def optimal_for_workload(workload: Workload, *, device: DeviceSpec = None, max_b
                          clock: Callable[[], float] = time.perf_counter) -> ThroughputResult:  # fmt: skip
     """``find_optimal_batch_size`` for a ``Workload``."""
     _check(tolerance, safety_fraction, warmup_steps, timed_steps, dataset_size, time_budget_seconds)
+    if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
+        raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
     dev = resolve_device(device, workload.model)
     maximum = max_batch_size or search(workload, device=dev).batch_size
     top = max(1, math.floor(maximum * safety_fraction)) if safety_fraction else maximum
     _capacity, limit = usable_bytes(dev, 0)
+    if getattr(dev, "record_timeline", False):
+        dev.record_timeline = False  # a per-op read of the allocator would be timed too
     with Prober(workload, dev, steps=warmup_steps + timed_steps, limit_bytes=limit, clock=clock) as prober:
         meter = _Meter(prober, warmup_steps, tokens_per_sample, dataset_size)
         for size in _grid(top):
             if meter.measure(size) is None:
                 break
+        if not meter.points:
+            raise NoBatchFitsError(
+                f"even batch size 1 does not fit on {dev.name} while timing steps: free memory or lower the model's", []
+            )
         _refine(meter, tolerance, refine_rounds)
     chosen, reason, notes = _choose(meter, tolerance, time_budget_seconds)
     points = sorted(meter.points.values(), key=lambda p: p.batch_size)

@@ -19,8 +19,9 @@ _MULTIPLIERS = {
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | str, *, what: str = "capacity") -> int:
-    """Return a byte count from an int or a string such as ``"512MiB"``, ``"8GiB"``, ``"1.5GB"``.
+def parse_bytes(value: int | str, *, what: str = "capacity", allow_zero: bool = False) -> int:
+    """Return a byte count from an int or a string such as ``"512MiB"``, ``"8GiB"``, ``"1.5GB"``
+    (zero only with ``allow_zero``, e.g. for a reserve).
 
     >>> parse_bytes("1.5GiB")
     1610612736
@@ -28,7 +29,7 @@ def parse_bytes(value: int | str, *, what: str = "capacity") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"{what} must be a byte count or a string like '8GiB', got {value!r}")
     if isinstance(value, int):
-        if value <= 0:
+        if value < 0 or (value == 0 and not allow_zero):
             raise ValueError(f"{what} must be positive, got {value}")
         return value
     match = _PATTERN.match(value)
@@ -36,7 +37,7 @@ def parse_bytes(value: int | str, *, what: str = "capacity") -> int:
     if match is None or unit not in _MULTIPLIERS:
         raise ValueError(f"{what} {value!r} is not a size: write it like '512MiB', '8GiB' or '1.5GB'")
     count = int(float(match.group(1)) * _MULTIPLIERS[unit])
-    if count <= 0:
+    if count < 0 or (count == 0 and not allow_zero):
         raise ValueError(f"{what} must be positive, got {value!r}")
     return count
 

@@ -121,7 +121,10 @@ class Workload:
             self.model.zero_grad(set_to_none=True)
             return
         if scaler is not None:
-            scaler.step(self.optimizer)
+            # A probe must run the step even when a fresh scaler's first scale overflows (it would
+            # skip it, and the optimizer state would never be measured); the state is restored anyway.
+            scaler.unscale_(self.optimizer)
+            self.optimizer.step()
             scaler.update()
         else:
             self.optimizer.step()

@@ -13,7 +13,10 @@ import torch
 OOM_MESSAGES: tuple[str, ...] = (
     "CUDA out of memory",  # CUDA caching allocator (older torch raised a RuntimeError)
     "CUDA error: out of memory",  # CUDA driver/runtime error, e.g. from a kernel launch or NCCL
-    "CUDNN_STATUS_NOT_SUPPORTED",  # cuDNN refuses a convolution it has no workspace for
+    # cuDNN refuses a convolution it has no workspace for. Ambiguous: non-contiguous inputs and
+    # unsupported configurations raise it too; Lightning and accelerate count it as OOM, as we do,
+    # so such an error reads as "nothing fits" rather than propagating.
+    "CUDNN_STATUS_NOT_SUPPORTED",
     "CUDNN_STATUS_ALLOC_FAILED",  # cuDNN workspace allocation
     "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS handle/workspace allocation
     "HIP out of memory",  # ROCm caching allocator

@@ -70,8 +70,16 @@ def _upper_bound(workload: Workload, limit_bytes: int | None, baseline_bytes: in
     return max(min_batch_size, (limit_bytes - baseline_bytes) // bytes_per_sample(workload.sample_batch))
 
 
-def _nothing_fits(trials: list[Trial], device: Device, limit_bytes: int | None) -> NoBatchFitsError:
+def _nothing_fits(
+    trials: list[Trial], device: Device, limit_bytes: int | None, min_batch_size: int
+) -> NoBatchFitsError:
     smallest = min(t.batch_size for t in trials if not t.fits)
+    if smallest > min_batch_size:  # max_trials ran out before the search got down to the minimum
+        return NoBatchFitsError(
+            f"max_trials ran out before any size fitted (the smallest tried, {smallest}, did not fit on {device.name}): "
+            "raise max_trials or lower max_batch_size",
+            trials,
+        )
     return NoBatchFitsError(
         f"even batch size {smallest} does not fit on {device.name} (usable {format_bytes(limit_bytes)}): "
         "use AMP, gradient checkpointing, a smaller model or sequence, or more memory",
@@ -163,7 +171,7 @@ def search(
                 on_trial(trial)
     lo, hi = bracket(trials, space)
     if lo < min_batch_size:
-        raise _nothing_fits(trials, dev, limit)
+        raise _nothing_fits(trials, dev, limit, min_batch_size)
     return SearchResult(
         batch_size=lo,
         trials=trials,
