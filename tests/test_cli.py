@@ -63,7 +63,7 @@ def png_size(path) -> tuple[int, int]:
 
 
 def test_help_shows_an_example_for_every_command():
-    for args in ([], ["find"], ["list-workloads"]):
+    for args in ([], ["find"], ["estimate"], ["optimal"], ["plan"], ["list-workloads"]):
         result = invoke(*args, "--help")
         assert result.exit_code == 0
         assert "Example: batchfit" in result.output
