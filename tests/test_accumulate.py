@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.nn import functional as F
 
 from batchfit.accumulate import GradientAccumulator
+from test_distributed import torchrun
 
 
 def model_and_batch(samples: int = 10):
@@ -90,19 +86,9 @@ def test_bad_micro_batch_size():
         GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_under_ddp_with_two_gloo_ranks_the_gradient_is_the_full_batch_gradient(tmp_path):
     out = tmp_path / "ddp.json"
-    script = Path(__file__).with_name("ddp_accumulation.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", str(script), str(out)]  # fmt: skip
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}  # loopback only: the sandbox's hostname may not route
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    completed = torchrun("ddp_accumulation.py", out)
     assert completed.returncode == 0, completed.stderr[:3000]
     result = json.loads(out.read_text())
     assert result["world"] == 2 and result["micro_batches"] == 3

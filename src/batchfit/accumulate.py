@@ -18,6 +18,25 @@ from batchfit.batching import slice_batch
 from batchfit.workload import compute_loss
 
 
+def backward_micro_batches(model: torch.nn.Module, pieces: list[Any], weights: list[int], *, loss_fn: Callable | None = None,
+                           step_fn: Callable | None = None, scaler: Any = None, sync_last: bool = True) -> float:  # fmt: skip
+    """Backward over ``pieces``, each mean loss weighted by its share of ``weights``; ``.grad`` then
+    holds the gradient of the whole batch's mean loss. Under DDP every backward but the last runs in
+    ``no_sync()`` (all of them without ``sync_last``). The loss is summed where it is and read once,
+    so there is no device sync per micro-batch. Returns the mean loss."""
+    whole = sum(weights)
+    defers = hasattr(model, "no_sync")
+    total = None
+    for index, (piece, weight) in enumerate(zip(pieces, weights, strict=True)):
+        defer = defers and (not sync_last or index < len(pieces) - 1)
+        with model.no_sync() if defer else contextlib.nullcontext():
+            loss = compute_loss(model, piece, loss_fn=loss_fn, step_fn=step_fn) * (weight / whole)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+        del loss
+    return float(total)
+
+
 class GradientAccumulator:
     """One optimizer step per global batch, computed ``micro_batch_size`` rows at a time.
 
@@ -58,17 +77,10 @@ class GradientAccumulator:
         pieces = [
             slice_batch(batch, start, start + self.micro_batch_size) for start in range(0, total, self.micro_batch_size)
         ]
-        weights = [self.sample_weight(piece) for piece in pieces]
-        whole = sum(weights)
-        loss_sum = 0.0
-        for index, (piece, weight) in enumerate(zip(pieces, weights, strict=True)):
-            last = index == len(pieces) - 1
-            with self._sync(last):
-                loss = compute_loss(self.model, piece, loss_fn=self.loss_fn, step_fn=self.step_fn) * (weight / whole)
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            loss_sum += float(loss.detach())
+        loss = backward_micro_batches(self.model, pieces, [self.sample_weight(piece) for piece in pieces], loss_fn=self.loss_fn,
+                                      step_fn=self.step_fn, scaler=self.scaler)  # fmt: skip
         self.micro_batches_last_step = len(pieces)
-        return loss_sum
+        return loss
 
     def step(self, batch: Any) -> float:
         """``accumulate(batch)``, then one optimizer step (and scheduler, EMA), then zero grads."""
@@ -84,7 +96,3 @@ class GradientAccumulator:
         if self.ema is not None:
             self.ema.update_parameters(self.model)
         return loss
-
-    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
-        no_sync = getattr(self.model, "no_sync", None)
-        return contextlib.nullcontext() if last or no_sync is None else no_sync()

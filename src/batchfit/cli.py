@@ -96,10 +96,10 @@ def parse_margin(text: str) -> int | float | str:
         return text
 
 
-def _header(workload: Any, device: Any) -> str:
+def _header(workload: Any, device: Any, command: str = "find") -> str:
     params = sum(p.numel() for p in workload.model.parameters())
     optimizer = type(workload.optimizer).__name__ if workload.optimizer is not None else "no optimizer"
-    line = f"batchfit find: [bold]{workload.name}[/] ({params / 1e6:.2f}M parameters, {optimizer}) on [bold]{device.name}[/]"
+    line = f"batchfit {command}: [bold]{workload.name}[/] ({params / 1e6:.2f}M parameters, {optimizer}) on [bold]{device.name}[/]"
     if device.simulated:
         line += f"\n[yellow]Simulated:[/] a {format_bytes(device.capacity_bytes())} device on the CPU, not a GPU measurement (choose with --device sim:CAPACITY)."
     return line
@@ -285,7 +285,7 @@ def optimal(
     work, options = _load(workload, seq_len, image_size, amp)
     dev = resolve_device(device, work.model)
     _check_plotting(plot)
-    console.print(_header(work, dev).replace("batchfit find", "batchfit optimal"))
+    console.print(_header(work, dev, "optimal"))
     with console.status("Finding the largest batch, then timing steps across batch sizes", spinner="dots"):
         result = optimal_for_workload(work, device=dev, max_batch_size=max_batch_size, tolerance=tolerance,
                                       safety_fraction=safety_fraction, timed_steps=timed_steps, tokens_per_sample=seq_len)  # fmt: skip

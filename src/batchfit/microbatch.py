@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from batchfit import distributed
+from batchfit.accumulate import backward_micro_batches
 from batchfit.batching import batch_length
 from batchfit.batching import slice_batch
 from batchfit.devices.oom import is_oom
@@ -34,6 +35,11 @@ class StepRecord:
     ooms: int
     replays: int
     samples: int
+
+
+def _accounting(device: Any) -> contextlib.AbstractContextManager:
+    """Only a simulated device needs its accounting active to raise OOM; real allocators raise their own."""
+    return device.measuring() if device.simulated else contextlib.nullcontext()
 
 
 def default_tokens_per_sample(batch: Any) -> torch.Tensor:
@@ -132,8 +138,9 @@ class Microbatcher:
         self._check_token_budget(batch, size, agreeing)
         ooms = replays = 0
         while True:
-            with self._accounting():
-                loss = self._accumulate(batch, size, local_only=agreeing)
+            slices = self._slices(batch, size)
+            with _accounting(self.device):
+                loss = self._accumulate(batch, slices, size, local_only=agreeing)
             failed = loss is None
             if agreeing and distributed.any_rank(failed) and not failed:
                 failed = True
@@ -146,7 +153,6 @@ class Microbatcher:
         if agreeing and hasattr(self.model, "no_sync"):
             distributed.average_gradients(self.model)
         self._optimizer_step()
-        slices = self._slices(batch, size)
         if ooms and self.max_tokens is not None:
             self.max_tokens = size
         elif ooms:
@@ -165,33 +171,20 @@ class Microbatcher:
             self.micro_batch_size = found.batch_size
         return self.micro_batch_size
 
-    def _accounting(self) -> contextlib.AbstractContextManager:
-        # Only a simulated device needs its accounting to raise OOM; real allocators raise their own.
-        return self.device.measuring() if self.device.simulated else contextlib.nullcontext()
-
-    def _accumulate(self, batch: Any, size: int, local_only: bool = False) -> float | None:
-        """Backward over every micro-batch; the mean loss, or ``None`` after an OOM (cleaned up).
-        DDP synchronises on the last micro-batch only, or never with ``local_only``."""
-        pieces = [slice_batch(batch, start, stop) for start, stop in self._slices(batch, size)]
-        weights = [self.sample_weight(piece) for piece in pieces]
-        whole = sum(weights)
-        loss_sum = torch.zeros(())  # summed where the losses are, read once: no sync per micro-batch
+    def _accumulate(
+        self, batch: Any, slices: list[tuple[int, int]], size: int, local_only: bool = False
+    ) -> float | None:
+        """Backward over the micro-batches ``slices``; the mean loss, or ``None`` after an OOM
+        (cleaned up). DDP synchronises on the last micro-batch only, or never with ``local_only``."""
+        pieces = [slice_batch(batch, start, stop) for start, stop in slices]
         try:
-            for index, (piece, weight) in enumerate(zip(pieces, weights, strict=True)):
-                defer = hasattr(self.model, "no_sync") and (local_only or index < len(pieces) - 1)
-                with self.model.no_sync() if defer else contextlib.nullcontext():
-                    loss = compute_loss(self.model, piece, loss_fn=self.loss_fn, step_fn=self.step_fn) * (
-                        weight / whole
-                    )
-                    (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-                loss_sum = loss_sum.to(loss.device) + loss.detach()
-                del loss
+            return backward_micro_batches(self.model, pieces, [self.sample_weight(piece) for piece in pieces],
+                                          loss_fn=self.loss_fn, step_fn=self.step_fn, scaler=self.scaler,
+                                          sync_last=not local_only)  # fmt: skip
         except BaseException as error:
             if not is_oom(error):
                 raise
             why = f"{type(error).__name__} in forward/backward at micro-batch {size}"
-        else:
-            return float(loss_sum)
         self._clean_up(why)  # after the except block, so the failed micro-batch's tensors are free
         return None
 
@@ -231,7 +224,7 @@ class Microbatcher:
         snapshot = self._guard()  # in host memory, outside the device's accounting
         failed = False
         try:
-            with self._accounting():
+            with _accounting(self.device):
                 self._step_once()
         except BaseException as error:
             if not is_oom(error):
@@ -246,7 +239,7 @@ class Microbatcher:
             snapshot.restore()
             self.device.collect()
             self._undo_scaler()
-            with self._accounting():
+            with _accounting(self.device):
                 self._retry_per_parameter()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
@@ -262,8 +255,7 @@ class Microbatcher:
     def _guard(self) -> StateSnapshot | None:
         if not self.guard_optimizer_step:
             return None
-        snapshot = StateSnapshot.take(self.model, self.optimizer)
-        return snapshot
+        return StateSnapshot.take(self.model, self.optimizer)
 
     def _retry_per_parameter(self) -> None:
         """The optimizer step itself ran out of memory: a smaller micro-batch cannot help, but
@@ -359,7 +351,7 @@ class EvalMicrobatcher:
         return torch.utils._pytree.tree_map(lambda *parts: torch.cat(parts), *outputs)
 
     def _forward_all(self, batch: Any, size: int) -> list[Any]:
-        accounting = self.device.measuring() if self.device.simulated else contextlib.nullcontext()
+        accounting = _accounting(self.device)
         training = self.model.training
         self.model.eval()
         try:

@@ -214,7 +214,7 @@ def _check(tolerance: float, safety_fraction: float | None, warmup_steps: int, t
         raise ValueError(f"safety_fraction must be in (0, 1], got {safety_fraction=}")
     if warmup_steps < 0 or timed_steps < 1:
         raise ValueError(f"need warmup_steps >= 0 and timed_steps >= 1, got {warmup_steps=}, {timed_steps=}")
-    if (time_budget_seconds is None) != (dataset_size is None) and time_budget_seconds is not None:
+    if time_budget_seconds is not None and dataset_size is None:
         raise ValueError("a time budget needs dataset_size (samples per epoch) to project epoch times")
 
 
