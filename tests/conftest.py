@@ -47,3 +47,9 @@ def case(request) -> Case:
 def _free_memory():
     yield
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """Each test gets its own result cache: none touches the user's, none sees another's."""
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))

@@ -67,3 +67,14 @@ CASES = [
     Case(transformer, "1MiB"),
     Case(dict_model, "160KiB"),
 ]
+
+
+def decoder(seq_len: int = 8, layers: int = 1, mode: str = "train", max_new_tokens: int = 8) -> bf.Workload:
+    """A tiny decoder whose memory grows with ``seq_len`` and ``layers``: the sweep tests' knobs."""
+    torch.manual_seed(0)
+    extra = max_new_tokens if mode == "generate" else 0
+    model = TinyGPT(vocab=64, dim=32, heads=2, layers=layers, max_len=seq_len + extra)
+    tokens = torch.randint(0, 64, (3, seq_len + 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    return bf.Workload(model, (tokens[:, :-1], tokens[:, 1:]), next_token_loss, optimizer, mode=mode,
+                       max_new_tokens=max_new_tokens, name="decoder")  # fmt: skip

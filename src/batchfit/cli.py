@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from batchfit.cli_common import AmpOption
+from batchfit.cli_common import Debug
+from batchfit.cli_common import ImageSize
+from batchfit.cli_common import SeqLen
+from batchfit.cli_common import app
+from batchfit.cli_common import check_plotting
+from batchfit.cli_common import cli_errors
+from batchfit.cli_common import console
+from batchfit.cli_common import errors
+from batchfit.cli_common import header_line
+from batchfit.cli_common import load_for_cli
+from batchfit.cli_common import parse_margin
 from batchfit.devices.resolve import resolve_device
 from batchfit.report import breakdown_table
 from batchfit.report import print_result
@@ -22,7 +31,6 @@ from batchfit.report import throughput_table
 from batchfit.report import trials_table
 from batchfit.report import versions
 from batchfit.report import write_json
-from batchfit.search.result import NoBatchFitsError
 from batchfit.search.runner import search
 from batchfit.search.strategies import STRATEGIES
 from batchfit.trial import Trial
@@ -30,79 +38,6 @@ from batchfit.units import format_bytes
 from batchfit.units import parse_bytes
 from batchfit.workloads import describe_builtins
 from batchfit.workloads import load_workload
-
-app = typer.Typer(
-    help="What batch size should I train with on this hardware?\n\nExample: batchfit find gpt-tiny --device sim:8GiB",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
-)
-console = Console()
-errors = Console(stderr=True)
-
-USER_ERRORS = (ValueError, TypeError, NoBatchFitsError, OSError)  # OSError: an output path that cannot be written
-
-
-class Amp(str, Enum):
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-WorkloadArg = Annotated[str, typer.Argument(help="A built-in name, module:function or path/to/file.py:function.")]
-SeqLen = Annotated[int | None, typer.Option(help="Sequence length, for workloads that take one.")]
-ImageSize = Annotated[int | None, typer.Option(help="Image side in pixels, for workloads that take one.")]
-AmpOption = Annotated[Amp | None, typer.Option(help="Mixed precision: bf16 or fp16.")]
-Debug = Annotated[bool, typer.Option(help="Show tracebacks.")]
-
-
-def _load(workload: str, seq_len: int | None, image_size: int | None, amp: Amp | None) -> tuple[Any, dict[str, Any]]:
-    """The workload and the options that reached it (for the JSON)."""
-    options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
-    return load_workload(workload, **options), {key: value for key, value in options.items() if value is not None}
-
-
-def _check_plotting(plot: Path | None) -> None:
-    """Fail before the work, not after it, when a plot is asked for and matplotlib is missing."""
-    if plot is not None:
-        from batchfit.plots import _pyplot
-
-        _pyplot()
-
-
-def cli_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """One line on stderr and exit code 2 for the user's mistakes; the traceback only with --debug."""
-
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except USER_ERRORS as error:
-            if kwargs.get("debug"):
-                raise
-            errors.print(f"[red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-
-    return wrapper
-
-
-def parse_margin(text: str) -> int | float | str:
-    """``"0.05"`` is a fraction of the capacity, ``"4096"`` bytes, ``"512MiB"`` a size."""
-    if text.isdigit():
-        return int(text)
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def _header(workload: Any, device: Any, command: str = "find") -> str:
-    params = sum(p.numel() for p in workload.model.parameters())
-    optimizer = type(workload.optimizer).__name__ if workload.optimizer is not None else "no optimizer"
-    line = f"batchfit {command}: [bold]{workload.name}[/] ({params / 1e6:.2f}M parameters, {optimizer}) on [bold]{device.name}[/]"
-    if device.simulated:
-        line += f"\n[yellow]Simulated:[/] a {format_bytes(device.capacity_bytes())} device on the CPU, not a GPU measurement (choose with --device sim:CAPACITY)."
-    return line
 
 
 @app.command(
@@ -129,11 +64,11 @@ def find(
     debug: Debug = False,
 ) -> None:
     """Find the largest batch size that really fits: every answer is a size a trial ran."""
-    work, options = _load(workload, seq_len, image_size, amp)
+    work, options = load_for_cli(workload, seq_len, image_size, amp)
     dev = resolve_device(device, work.model)
-    _check_plotting(plot)
+    check_plotting(plot)
     if not quiet:
-        console.print(_header(work, dev))
+        console.print(header_line(work, dev))
     done: list[Trial] = []
     try:
         result = _search_live(work, dev, done, quiet, strategy=strategy, min_batch_size=min_batch_size,
@@ -217,8 +152,8 @@ def estimate(
     reserve_bytes = None if reserve is None else parse_bytes(reserve, what="reserve", allow_zero=True)
     label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
     tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes)
-    work, options = _load(workload, seq_len, image_size, amp)
-    _check_plotting(plot)
+    work, options = load_for_cli(workload, seq_len, image_size, amp)
+    check_plotting(plot)
     label = label or f"a {format_bytes(tracer.capacity_bytes())} device"
     if not quiet:
         console.print(f"batchfit estimate: [bold]{work.name}[/] on {escape(label)} ({format_bytes(tracer.capacity_bytes())} usable), "
@@ -282,10 +217,10 @@ def optimal(
     """Maximum is not optimal: time steps across batch sizes and pick the throughput-optimal one."""
     from batchfit.throughput import optimal_for_workload
 
-    work, options = _load(workload, seq_len, image_size, amp)
+    work, options = load_for_cli(workload, seq_len, image_size, amp)
     dev = resolve_device(device, work.model)
-    _check_plotting(plot)
-    console.print(_header(work, dev, "optimal"))
+    check_plotting(plot)
+    console.print(header_line(work, dev, "optimal"))
     with console.status("Finding the largest batch, then timing steps across batch sizes", spinner="dots"):
         result = optimal_for_workload(work, device=dev, max_batch_size=max_batch_size, tolerance=tolerance,
                                       safety_fraction=safety_fraction, timed_steps=timed_steps, tokens_per_sample=seq_len)  # fmt: skip
@@ -401,6 +336,9 @@ def list_workloads() -> None:
     """Name the built-in workloads, one line each."""
     for name, line in describe_builtins().items():
         console.print(f"[bold]{name:10}[/] {line}", highlight=False)
+
+
+from batchfit import cli_sweep  # noqa: E402, F401  (registers sweep and cache)
 
 
 def main() -> None:

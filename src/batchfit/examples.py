@@ -56,6 +56,9 @@ class SmallResNet(nn.Module):
         return self.head(self.blocks(self.stem(images)).mean(dim=(2, 3)))
 
 
+KeyValues = tuple[torch.Tensor, torch.Tensor]
+
+
 class DecoderBlock(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
@@ -67,13 +70,18 @@ class DecoderBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attend(x)[0]
+
+    def attend(self, x: torch.Tensor, past: KeyValues | None = None) -> tuple[torch.Tensor, KeyValues]:
+        """The block's output and its keys and values, ``past`` (the KV cache) included."""
         batch, length, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, dim // self.heads).unbind(dim=2)
-        attended = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=past is None)
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, dim))
-        return x + self.mlp(self.norm2(x))
+        return x + self.mlp(self.norm2(x)), (k, v)
 
 
 class TinyGPT(nn.Module):
@@ -91,18 +99,54 @@ class TinyGPT(nn.Module):
         positions = torch.arange(ids.shape[1], device=ids.device)
         return self.head(self.norm(self.blocks(self.tokens(ids) + self.positions(positions))))
 
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, max_new_tokens: int = 16) -> torch.Tensor:
+        """Greedy decoding with a KV cache: the prompt and ``max_new_tokens`` new ids.
+
+        >>> model = TinyGPT(vocab=16, dim=8, heads=2, layers=1, max_len=8)
+        >>> model.generate(torch.zeros(3, 2, dtype=torch.long), max_new_tokens=4).shape
+        torch.Size([3, 6])
+        """
+        if ids.shape[1] + max_new_tokens > self.positions.num_embeddings:
+            raise ValueError(
+                f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) is longer than the model's "
+                f"max_len ({self.positions.num_embeddings}): build it with a larger max_len"
+            )
+        caches: list[KeyValues | None] = [None] * len(self.blocks)
+        tokens, step, start = ids, ids, 0
+        for _ in range(max_new_tokens):
+            x = self.tokens(step) + self.positions(torch.arange(start, start + step.shape[1], device=ids.device))
+            for index, block in enumerate(self.blocks):
+                x, caches[index] = block.attend(x, caches[index])
+            step = self.head(self.norm(x[:, -1:])).argmax(dim=-1)
+            tokens, start = torch.cat([tokens, step], dim=1), start + x.shape[1]
+        return tokens
+
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def gpt_tiny(seq_len: int = 64, amp_dtype: str | None = None, sample_size: int = 4) -> Workload:
-    """A 2-layer decoder-only transformer with AdamW on ``(ids, next ids)`` token batches."""
+def gpt_tiny(
+    seq_len: int = 64,
+    amp_dtype: str | None = None,
+    sample_size: int = 4,
+    layers: int = 2,
+    mode: str = "train",
+    max_new_tokens: int = 16,
+) -> Workload:
+    """A 2-layer decoder-only transformer with AdamW on ``(ids, next ids)`` token batches.
+
+    ``layers`` sets the depth; ``mode="generate"`` probes greedy decoding of ``max_new_tokens``
+    after a ``seq_len`` prompt, with a KV cache."""
     torch.manual_seed(0)
-    model = TinyGPT(max_len=max(seq_len, 1))
+    extra = max_new_tokens if mode == "generate" else 0
+    model = TinyGPT(layers=layers, max_len=max(seq_len + extra, 1))
     tokens = torch.randint(0, 512, (sample_size, seq_len + 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    return Workload(model, (tokens[:, :-1], tokens[:, 1:]), next_token_loss, optimizer, amp_dtype, name="gpt-tiny")
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    return Workload(model, batch, next_token_loss, optimizer, amp_dtype, mode=mode, name="gpt-tiny",
+                    max_new_tokens=max_new_tokens)  # fmt: skip
 
 
 def cnn_small(image_size: int = 32, amp_dtype: str | None = None, sample_size: int = 4) -> Workload:

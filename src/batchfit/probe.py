@@ -17,6 +17,7 @@ from batchfit.devices.base import Device
 from batchfit.devices.oom import is_oom
 from batchfit.devices.oom import summarize_oom
 from batchfit.devices.resolve import model_device
+from batchfit.search.result import ModelDoesNotFitError
 from batchfit.state import StateSnapshot
 from batchfit.trial import Trial
 from batchfit.units import format_bytes
@@ -116,7 +117,7 @@ class Prober:
     def _check_capacity(self) -> None:
         limit = self.limit_bytes if self.limit_bytes is not None else self.device.capacity_bytes()
         if limit is not None and self.baseline_bytes >= limit:
-            raise ValueError(
+            raise ModelDoesNotFitError(
                 f"{self.device.name} has {format_bytes(limit)} usable but the workload already holds "
                 f"{format_bytes(self.baseline_bytes)} before any batch (parameters, buffers, gradients, "
                 "optimizer state): give a larger capacity or a smaller margin"

@@ -13,7 +13,7 @@ import torch
 from batchfit.batching import batch_length
 from batchfit.batching import tensor_leaves
 
-MODES = ("train", "eval")
+MODES = ("train", "eval", "generate")
 AMP_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -49,7 +49,10 @@ class Workload:
     unless ``loss_fn(output, batch)`` is given; anything else runs ``model(batch)`` and
     ``loss_fn(output, batch)``. ``step_fn(model, batch) -> loss`` overrides all of it.
     ``optimizer`` may also be a factory ``params -> Optimizer``. ``mode="eval"`` runs the forward
-    pass only, under ``torch.no_grad()``.
+    pass only, under ``torch.no_grad()``. ``mode="generate"`` runs generation under
+    ``torch.no_grad()``, so the KV cache is in the probe (seed 002): ``step_fn(model, batch)`` if
+    given (e.g. ``lambda m, b: m.generate(**b, max_new_tokens=64)``), else ``model.generate(inputs,
+    max_new_tokens=max_new_tokens)`` (a mapping batch is passed as keywords, without ``labels``).
 
     >>> model = torch.nn.Linear(4, 2)
     >>> work = Workload(model, (torch.randn(8, 4), torch.randint(0, 2, (8,))),
@@ -67,6 +70,7 @@ class Workload:
     mode: str = "train"
     step_fn: StepFn | None = None
     name: str | None = None
+    max_new_tokens: int = 16
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
@@ -75,6 +79,8 @@ class Workload:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         self.amp_dtype = _amp_dtype(self.amp_dtype)
         self.sample_length = batch_length(self.sample_batch)
+        if self.mode == "generate":
+            _check_generation(self)
         if self.mode == "train" and not any(p.requires_grad for p in self.model.parameters()):
             raise ValueError("the model has no parameters that require grad, so it cannot train: use mode='eval'")
         if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
@@ -132,12 +138,22 @@ class Workload:
         mark("optimizer")
 
     def eval_step(self, batch: Any, device_type: str, mark: PhaseMark) -> None:
-        """One forward pass under ``torch.no_grad()`` (``mark("forward")``)."""
+        """One forward pass, or with ``mode="generate"`` one generation, under ``torch.no_grad()``
+        (``mark("forward")``)."""
         self.model.eval()
         with torch.no_grad(), _autocast(device_type, self.amp_dtype):
-            output = self._forward(batch)
+            output = self._generate(batch) if self.mode == "generate" else self._forward(batch)
         del output
         mark("forward")
+
+    def _generate(self, batch: Any) -> Any:
+        if self.step_fn is not None:
+            return self.step_fn(self.model, batch)
+        if isinstance(batch, Mapping):
+            inputs = {key: value for key, value in batch.items() if key != "labels"}
+            return self.model.generate(**inputs, max_new_tokens=self.max_new_tokens)
+        inputs = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+        return self.model.generate(inputs, max_new_tokens=self.max_new_tokens)
 
     def make_scaler(self, device_type: str) -> Any:
         """A GradScaler for fp16 training where the device type has one, else ``None``."""
@@ -147,6 +163,16 @@ class Workload:
             return torch.amp.GradScaler(device_type)
         except (RuntimeError, ValueError):  # device type without a GradScaler
             return None
+
+
+def _check_generation(workload: Workload) -> None:
+    if workload.step_fn is None and not callable(getattr(workload.model, "generate", None)):
+        raise ValueError(
+            f"mode='generate' needs a model with .generate() or step_fn(model, batch) that generates; "
+            f"{type(workload.model).__name__} has no .generate"
+        )
+    if not isinstance(workload.max_new_tokens, int) or workload.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {workload.max_new_tokens!r}")
 
 
 def compute_loss(model: torch.nn.Module, batch: Any, *, loss_fn: LossFn | None = None, step_fn: StepFn | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
@@ -18,6 +19,13 @@ class NoBatchFitsError(RuntimeError):
     def __init__(self, message: str, trials: list[Trial]):
         super().__init__(message)
         self.trials = trials
+
+
+class ModelDoesNotFitError(NoBatchFitsError, ValueError):
+    """The workload's state alone (parameters, buffers, optimizer state) fills the usable memory."""
+
+    def __init__(self, message: str):
+        super().__init__(message, [])
 
 
 @dataclass
@@ -43,8 +51,21 @@ class SearchResult:
 
     @property
     def peak_bytes(self) -> int | None:
-        """The peak measured at the chosen batch size."""
-        return next((t.peak_bytes for t in self.trials if t.batch_size == self.batch_size and t.fits), None)
+        """The peak measured at the chosen batch size (for a cached result, when it was measured)."""
+        measured = next((t.peak_bytes for t in self.trials if t.batch_size == self.batch_size and t.fits), None)
+        return measured if measured is not None else self.cached.get("peak_bytes")
+
+    @property
+    def held_bytes(self) -> int | None:
+        """What was held before the batch at the chosen size (parameters, buffers, optimizer state)."""
+        measured = next((t.held_bytes for t in self.trials if t.batch_size == self.batch_size and t.fits), None)
+        return measured if measured is not None else self.cached.get("held_bytes")
+
+    @property
+    def cached(self) -> dict[str, Any]:
+        """Where a result from the cache came from (empty when trials ran now)."""
+        cache = self.extra.get("cache") or {}
+        return cache if cache.get("hit") else {}
 
     @property
     def oom_trials(self) -> int:
@@ -58,6 +79,14 @@ class SearchResult:
     def summary(self) -> str:
         """One sentence with the answer."""
         exact = "" if self.exact else " (stopped early by max_trials: the edge is not confirmed)"
+        if self.cached:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.cached["created"]))
+            return (
+                f"Largest batch size that fits on {self.device}: {self.batch_size} "
+                f"(peak {format_bytes(self.peak_bytes)} of {format_bytes(self.capacity_bytes)}), from the result cache: "
+                f"no trials run now (found by '{self.strategy}' in {self.cached['trials']} trials on {when}; "
+                f"--no-cache measures again){exact}."
+            )
         traced = self.extra.get("trace") or {}
         after = f" after a trace estimate of {traced['batch_size']}" if traced.get("batch_size") else ""
         return (

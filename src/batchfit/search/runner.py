@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,6 +16,9 @@ from batchfit.batching import pad_sequences
 from batchfit.devices.base import Device
 from batchfit.devices.resolve import resolve_device
 from batchfit.probe import Prober
+from batchfit.search.cached import CachedSearch
+from batchfit.search.cached import CacheSpec
+from batchfit.search.cached import open_cache
 from batchfit.search.result import NoBatchFitsError
 from batchfit.search.result import SearchResult
 from batchfit.search.strategies import SearchSpace
@@ -126,19 +130,35 @@ def search(
     on_trial_start: Callable[[int], None] | None = None,
     trace: bool = True,
     agree: bool | None = None,
+    cache: CacheSpec = False,
+    cache_settings: Mapping[str, Any] | None = None,
 ) -> SearchResult:
     """Find the largest batch size of ``workload`` that fits; see ``find_max_batch_size``.
 
     ``on_trial_start(batch_size)`` and ``on_trial(trial)`` are called around every trial.
+    Each trial is logged at INFO on the ``batchfit`` logger (DEBUG with ``on_trial``, or on a trace).
     ``agree`` (default: when a process group is initialised) makes all ranks agree on every trial.
+    ``cache`` (``True``, a folder or a ``ResultCache``) returns a stored answer with zero trials
+    when the workload's fingerprint (plus ``cache_settings``) was searched before, and stores new
+    answers; it is not used across ranks.
     """
     _check_bounds(min_batch_size, max_batch_size, max_trials)
+    start = time.perf_counter()
     chosen = make_strategy(strategy)
     dev = resolve_device(device, workload.model)
     capacity, limit = usable_bytes(dev, margin)
     agreeing = distributed.active() if agree is None else agree
     if agreeing and limit is not None:
         limit = distributed.agree_min(limit)  # every rank aims at the smallest device's memory
+    store = open_cache(cache) if not agreeing else None
+    if store is not None:
+        settings = {"min_batch_size": min_batch_size, "max_batch_size": max_batch_size, "limit_bytes": limit,
+                    "steps": steps, "strategy": getattr(chosen, "name", None), "max_trials": max_trials,
+                    **(cache_settings or {})}  # fmt: skip
+        store = CachedSearch.make(store, workload, dev, settings)
+        hit = store.lookup(start)
+        if hit is not None:
+            return hit
     traced = None
     if trace and strategy == "auto" and limit is not None and not getattr(dev, "traces", False):
         traced = _trace_guess(workload, dev, limit, (min_batch_size, max_batch_size), steps)
@@ -149,7 +169,6 @@ def search(
             chosen = make_strategy("auto", guess=guess)
     workload = dev.prepare(workload)
     trials: list[Trial] = []
-    start = time.perf_counter()
     with Prober(workload, dev, steps=steps, limit_bytes=limit) as prober:
         top = max_batch_size or _upper_bound(workload, limit, prober.baseline_bytes, min_batch_size)
         if agreeing:
@@ -166,13 +185,15 @@ def search(
             if agreeing:
                 trial = distributed.agree_trial(trial)  # fits only if it fit on every rank
             trials.append(trial)
-            logger.info(trial.describe(capacity))
+            # A caller with on_trial reports trials itself; a trace's trials are only an estimate.
+            quiet = on_trial is not None or getattr(dev, "traces", False)
+            logger.log(logging.DEBUG if quiet else logging.INFO, trial.describe(capacity))
             if on_trial is not None:
                 on_trial(trial)
     lo, hi = bracket(trials, space)
     if lo < min_batch_size:
         raise _nothing_fits(trials, dev, limit, min_batch_size)
-    return SearchResult(
+    result = SearchResult(
         batch_size=lo,
         trials=trials,
         strategy=getattr(chosen, "name", type(chosen).__name__),
@@ -186,6 +207,9 @@ def search(
         workload=workload.name,
         extra={"trace": traced} if traced is not None else {},
     )
+    if store is not None:
+        store.store(result)
+    return result
 
 
 def _check_proposal(batch_size: int, trials: list[Trial], space: SearchSpace, strategy: Strategy) -> None:
@@ -213,6 +237,7 @@ def find_max_batch_size(
     on_trial: Callable[[Trial], None] | None = None,
     trace: bool = True,
     longest_seq_len: int | None = None,
+    cache: CacheSpec = False,
 ) -> SearchResult:
     """The largest batch size that really fits: every answer is a size a trial ran.
 
@@ -227,7 +252,8 @@ def find_max_batch_size(
     ``auto`` and ``trace=True``, the edge is first estimated on a ``TraceDevice`` (fake tensors,
     nothing allocated) and real trials only verify and refine it. ``longest_seq_len`` pads every
     sequence of the sample to the longest length the run will see (masks fully attended), so the
-    answer holds for the worst batch, not the sample's.
+    answer holds for the worst batch, not the sample's. ``cache=True`` (or a folder) returns a
+    stored answer, with zero trials, when this very search ran before (see ``ResultCache``).
 
     >>> import batchfit as bf
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
@@ -253,6 +279,7 @@ def find_max_batch_size(
         steps=steps,
         on_trial=on_trial,
         trace=trace,
+        cache=cache,
     )
 
 

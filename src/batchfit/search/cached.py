@@ -1,0 +1,92 @@
+"""The result cache around a search: look the fingerprint up first, store the answer after."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchfit.cache import CacheEntry
+from batchfit.cache import ResultCache
+from batchfit.devices.base import Device
+from batchfit.fingerprint import fingerprint
+from batchfit.fingerprint import fingerprint_fields
+from batchfit.search.result import SearchResult
+from batchfit.workload import Workload
+
+logger = logging.getLogger("batchfit")
+
+CacheSpec = ResultCache | bool | str | Path | None
+
+
+def open_cache(cache: CacheSpec) -> ResultCache | None:
+    """``False``/``None``: no cache; ``True``: the default folder; a path: that folder."""
+    if cache is None or cache is False:
+        return None
+    if cache is True:
+        return ResultCache()
+    if isinstance(cache, ResultCache):
+        return cache
+    if isinstance(cache, (str, Path)):
+        return ResultCache(cache)
+    raise TypeError(f"cache must be True, False, a folder or a ResultCache, got {type(cache).__name__}")
+
+
+@dataclass
+class CachedSearch:
+    """One search's place in the cache: its key and the fields the key was made from."""
+
+    cache: ResultCache
+    key: str
+    fields: dict[str, Any]
+    label: str
+
+    @classmethod
+    def make(cls, cache: ResultCache, workload: Workload, device: Device, settings: Mapping[str, Any]) -> CachedSearch:
+        fields = fingerprint_fields(workload, device, settings)
+        knobs = settings.get("knobs") or {}
+        label = " ".join([workload.name or "workload", *(f"{k}={v}" for k, v in knobs.items())])
+        return cls(cache, fingerprint(fields), fields, label)
+
+    def lookup(self, started: float) -> SearchResult | None:
+        """The stored answer as a result with zero trials, or ``None``."""
+        entry = self.cache.get(self.key)
+        if entry is None:
+            return None
+        try:
+            result = from_entry(entry, time.perf_counter() - started, self.cache)
+        except (KeyError, TypeError):  # stored by a build that wrote other fields: measure again
+            return None
+        logger.info("Batch size %s for %s from the result cache (no trials run)", result.batch_size, self.label)
+        return result
+
+    def store(self, result: SearchResult) -> None:
+        self.cache.put(self.key, result.to_dict(), label=self.label, device=result.device, fields=self.fields)
+        result.extra["cache"] = {"hit": False, "path": str(self.cache.path), "key": self.key}
+
+
+def from_entry(entry: CacheEntry, seconds: float, cache: ResultCache) -> SearchResult:
+    """A stored result: the same answer, no trials, and where it came from in ``extra["cache"]``."""
+    stored = entry.result
+    chosen = [t for t in stored.get("trials", []) if t.get("batch_size") == stored["batch_size"] and t.get("fits")]
+    cached = {"hit": True, "held_bytes": chosen[0].get("held_bytes") if chosen else None, "path": str(cache.path), "key": entry.key, "created": entry.created,
+              "trials": len(stored.get("trials", [])), "peak_bytes": stored.get("peak_bytes"),
+              "seconds": stored.get("seconds")}  # fmt: skip
+    extra = {k: v for k, v in stored.items() if k == "trace"}
+    return SearchResult(
+        batch_size=stored["batch_size"],
+        trials=[],
+        strategy=stored["strategy"],
+        capacity_bytes=stored["capacity_bytes"],
+        limit_bytes=stored["limit_bytes"],
+        device=stored["device"],
+        min_batch_size=stored["min_batch_size"],
+        max_batch_size=stored["max_batch_size"],
+        exact=stored["exact"],
+        seconds=seconds,
+        workload=stored.get("workload"),
+        extra={**extra, "cache": cached},
+    )
