@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/search_strategies.py
 	$(BIN)/python benchmarks/trace_cost.py
 	$(BIN)/python benchmarks/microbatch_overhead.py
+	$(BIN)/python benchmarks/sweep_trials.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info

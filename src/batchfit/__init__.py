@@ -6,6 +6,7 @@
 """
 
 from batchfit.accumulate import GradientAccumulator
+from batchfit.cache import ResultCache
 from batchfit.devices import CpuDevice
 from batchfit.devices import CudaDevice
 from batchfit.devices import Device
@@ -23,7 +24,9 @@ from batchfit.microbatch import EvalMicrobatcher
 from batchfit.microbatch import Microbatcher
 from batchfit.plan import BatchPlan
 from batchfit.plan import plan_batch
+from batchfit.rules import ScaleRules
 from batchfit.search.memory_model import MemoryModel
+from batchfit.search.result import ModelDoesNotFitError
 from batchfit.search.result import NoBatchFitsError
 from batchfit.search.result import SearchResult
 from batchfit.search.runner import find_max_batch_size
@@ -33,6 +36,8 @@ from batchfit.search.strategies import STRATEGIES
 from batchfit.search.strategies import SearchSpace
 from batchfit.search.strategies import make_strategy
 from batchfit.state import StateSnapshot
+from batchfit.sweep import SweepResult
+from batchfit.sweep import sweep
 from batchfit.throughput import ThroughputResult
 from batchfit.throughput import find_optimal_batch_size
 from batchfit.trial import Trial
@@ -55,12 +60,16 @@ __all__ = [
     "MemoryEstimate",
     "MemoryModel",
     "Microbatcher",
+    "ModelDoesNotFitError",
     "MpsDevice",
     "NoBatchFitsError",
+    "ResultCache",
+    "ScaleRules",
     "SearchResult",
     "SearchSpace",
     "SimulatedDevice",
     "StateSnapshot",
+    "SweepResult",
     "ThroughputResult",
     "TraceDevice",
     "TraceError",
@@ -77,4 +86,5 @@ __all__ = [
     "plan_batch",
     "probe_batch_size",
     "search",
+    "sweep",
 ]

@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchfit.cli_common import AmpOption
+from batchfit.cli_common import CacheDir
 from batchfit.cli_common import Debug
 from batchfit.cli_common import ImageSize
 from batchfit.cli_common import SeqLen
@@ -55,6 +56,10 @@ def find(
     margin: Annotated[str, typer.Option(help="Headroom: bytes, a size like 512MiB, or a fraction like 0.05.")] = "0",
     max_trials: Annotated[int | None, typer.Option(help="Stop after this many trials.")] = None,
     trace: Annotated[bool, typer.Option(help="With --strategy auto, estimate the edge on fake tensors first.")] = True,
+    cache: Annotated[
+        bool, typer.Option(help="Answer from the result cache when this very search ran before (0 trials).")
+    ] = False,
+    cache_dir: CacheDir = None,
     seq_len: SeqLen = None,
     image_size: ImageSize = None,
     amp: AmpOption = None,
@@ -73,7 +78,7 @@ def find(
     try:
         result = _search_live(work, dev, done, quiet, strategy=strategy, min_batch_size=min_batch_size,
                               max_batch_size=max_batch_size, margin=parse_margin(margin), max_trials=max_trials,
-                              trace=trace)  # fmt: skip
+                              trace=trace, cache=(cache_dir or True) if cache else False)  # fmt: skip
     except KeyboardInterrupt:
         _interrupted(done, dev)
         raise typer.Exit(130) from None
@@ -83,6 +88,9 @@ def find(
         print_result(console, result)
     if json_path is not None:
         write_json(json_path, result_document(result, workload=work.name, options=options, simulated=dev.simulated))
+    if plot is not None and result.cached:
+        errors.print("No plot: the answer came from the cache, with no trials (--no-cache measures again, then plots).")
+        plot = None
     if plot is not None:
         from batchfit.plots import plot_search
 

@@ -40,6 +40,9 @@ SeqLen = Annotated[int | None, typer.Option(help="Sequence length, for workloads
 ImageSize = Annotated[int | None, typer.Option(help="Image side in pixels, for workloads that take one.")]
 AmpOption = Annotated[Amp | None, typer.Option(help="Mixed precision: bf16 or fp16.")]
 Debug = Annotated[bool, typer.Option(help="Show tracebacks.")]
+CacheDir = Annotated[
+    Path | None, typer.Option(help="The cache folder (default: $BATCHFIT_CACHE_DIR, else the user cache folder).")
+]
 
 
 def load_for_cli(

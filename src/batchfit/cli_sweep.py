@@ -14,6 +14,7 @@ from rich.table import Table
 
 from batchfit.cache import ResultCache
 from batchfit.cli_common import AmpOption
+from batchfit.cli_common import CacheDir
 from batchfit.cli_common import Debug
 from batchfit.cli_common import ImageSize
 from batchfit.cli_common import SeqLen
@@ -30,12 +31,12 @@ from batchfit.units import format_bytes
 from batchfit.workloads import load_workload
 from batchfit.workloads import resolve_factory
 
-cache_app = typer.Typer(help="The result cache: list or clear stored search results.", no_args_is_help=True)
+cache_app = typer.Typer(
+    help="The result cache: list or clear stored search results.",
+    epilog="Example: batchfit cache list --cache-dir ~/.cache/batchfit",
+    no_args_is_help=True,
+)
 app.add_typer(cache_app, name="cache")
-
-CacheDir = Annotated[
-    Path | None, typer.Option(help="The cache folder (default: $BATCHFIT_CACHE_DIR, else the user cache folder).")
-]
 
 
 class Mode(str, Enum):
@@ -137,7 +138,7 @@ def sweep(
     fixed = {key: value for key, value in fixed.items() if value is not None}
     factory = _factory(workload, fixed, knobs)
     sources = [source.strip() for source in estimate.split(",") if source.strip()]
-    store: Any = (ResultCache(cache_dir) if cache_dir else True) if cache else False
+    store: Any = (cache_dir or True) if cache else False
     start = time.perf_counter()
     with console.status("Sweeping", spinner="dots"):
         result = run_sweep(factory, knobs, device=device, max_batch_size=batch_size, min_batch_size=min_batch_size,
@@ -178,7 +179,8 @@ def cache_list(cache_dir: CacheDir = None, debug: Debug = False) -> None:
     """Show every stored result: what it was for, where, the batch size and when."""
     store = ResultCache(cache_dir)
     entries = store.entries()
-    table = Table(title=f"{store.path} ({len(entries)} results)", title_justify="left")
+    console.print(f"{store.path}: {len(entries)} results", highlight=False, soft_wrap=True)
+    table = Table()
     for column in ("stored", "workload", "device", "batch size", "trials", "key"):
         table.add_column(column, justify="right" if column in ("batch size", "trials") else "left")
     for entry in entries:

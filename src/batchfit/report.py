@@ -50,8 +50,9 @@ def trials_table(trials: Sequence[Trial], capacity_bytes: int | None, chosen: in
 
 
 def print_result(console: Console, result: SearchResult) -> None:
-    """The trials table and the one-sentence answer."""
-    console.print(trials_table(result.trials, result.capacity_bytes, result.batch_size))
+    """The trials table (none for an answer from the cache) and the one-sentence answer."""
+    if result.trials:
+        console.print(trials_table(result.trials, result.capacity_bytes, result.batch_size))
     console.print(f"[bold green]{escape(result.summary())}[/]")
 
 
