@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+import batchfit as bf
 from batchfit.distributed import _merge
 from batchfit.trial import Trial
+from models import decoder
 
 
 def _free_port() -> int:
@@ -68,3 +70,19 @@ def test_a_rank_that_dies_makes_the_other_fail_clearly_within_the_timeout(tmp_pa
         outcome["error"] is not None and "batchfit: a rank did not reach the batch-size agreement" in outcome["error"]
     )
     assert outcome["seconds"] < 60
+
+
+def test_a_sweep_under_torchrun_agrees_writes_once_and_caches(tmp_path):
+    out = tmp_path / "sweep"
+    completed = torchrun("ddp_sweep.py", out)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    first, second = (json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1))
+    alone = bf.sweep(decoder, {"seq_len": [8, 16]}, device="sim:768KiB", cache=False, log=lambda line: None)
+    expected = [r["batch_size_used"] for r in alone.records]  # what fits on the smaller device
+    assert first[0]["sizes"] == second[0]["sizes"] == expected
+    assert first[0]["starts"] == second[0]["starts"]  # the same estimate on both ranks
+    assert first[0]["trials"] == second[0]["trials"] > 0
+    assert first[1] == second[1] and first[1]["trials"] == 0 and first[1]["sizes"] == expected  # all from the cache
+    saved = json.loads((tmp_path / "first.json").read_text())
+    assert saved["device"]["name"] == "sim:1.0MiB"  # written by rank 0 only
+    assert [r["batch_size_used"] for r in saved["summary"]] == expected

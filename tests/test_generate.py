@@ -14,8 +14,8 @@ from models import decoder
 DEVICE = "sim:1MiB"
 
 
-def edge(workload: Workload) -> bf.SearchResult:
-    result = bf.search(workload, device=DEVICE)
+def edge(workload: Workload, trace: bool = False) -> bf.SearchResult:
+    result = bf.search(workload, device=DEVICE, trace=trace)
     assert result.exact
     sizes = {t.batch_size: t.fits for t in result.trials}
     assert sizes[result.batch_size] and sizes.get(result.batch_size + 1) is False  # a confirmed edge
@@ -33,7 +33,7 @@ def test_generation_fits_a_smaller_batch_than_a_forward_pass_because_of_the_kv_c
 
 def test_the_trace_sees_the_kv_cache_to_the_byte():
     traced = bf.search(decoder(seq_len=8, mode="generate", max_new_tokens=32), device=bf.TraceDevice("1MiB"))
-    real = edge(decoder(seq_len=8, mode="generate", max_new_tokens=32))
+    real = edge(decoder(seq_len=8, mode="generate", max_new_tokens=32), trace=True)
     assert traced.batch_size == real.batch_size
     assert real.extra["trace"]["batch_size"] == real.batch_size and len(real.trials) == 2
 

@@ -251,3 +251,11 @@ def test_a_sweep_killed_midway_resumes_to_identical_results(tmp_path):
     assert essence(final) == essence(_records(reference))
     assert len({r["seq_len"] for r in final}) == len(final) == 5  # no duplicate records
     assert essence(final[: len(partial)]) == essence(partial)  # what was written before the kill was kept
+
+
+def test_one_device_object_for_the_whole_sweep_does_not_carry_earlier_models():
+    """Like a real GPU, a shared simulated device counts whatever is alive on it: a sweep must free each
+    configuration's model before the next one's search."""
+    shared = bf.SimulatedDevice(CAPACITY)
+    result = sweep(decoder, {"seq_len": [8, 16, 24]}, device=shared, cache=False)
+    assert [r["batch_size_used"] for r in result.records] == [true_edge(s, 1) for s in (8, 16, 24)]

@@ -36,8 +36,8 @@ from batchfit.search.strategies import STRATEGIES
 from batchfit.search.strategies import SearchSpace
 from batchfit.search.strategies import make_strategy
 from batchfit.state import StateSnapshot
-from batchfit.sweep import SweepResult
 from batchfit.sweep import sweep
+from batchfit.sweep_file import SweepResult
 from batchfit.throughput import ThroughputResult
 from batchfit.throughput import find_optimal_batch_size
 from batchfit.trial import Trial

@@ -23,10 +23,10 @@ from batchfit.cli_common import cli_errors
 from batchfit.cli_common import console
 from batchfit.cli_common import parse_margin
 from batchfit.search.strategies import STRATEGIES
-from batchfit.sweep import ESTIMATE_SOURCES
-from batchfit.sweep import SweepResult
-from batchfit.sweep import describe
 from batchfit.sweep import sweep as run_sweep
+from batchfit.sweep_file import SweepResult
+from batchfit.sweep_file import describe
+from batchfit.sweep_run import ESTIMATE_SOURCES
 from batchfit.units import format_bytes
 from batchfit.workloads import load_workload
 from batchfit.workloads import resolve_factory

@@ -91,7 +91,7 @@ def _nothing_fits(
     )
 
 
-def _trace_guess(
+def trace_estimate(
     workload: Workload, device: Device, limit_bytes: int, space: tuple[int, int | None], steps: int
 ) -> dict[str, Any] | None:
     """The trace's estimate of the edge under ``limit_bytes``, or ``None`` (with a warning) when
@@ -161,7 +161,7 @@ def search(
             return hit
     traced = None
     if trace and strategy == "auto" and limit is not None and not getattr(dev, "traces", False):
-        traced = _trace_guess(workload, dev, limit, (min_batch_size, max_batch_size), steps)
+        traced = trace_estimate(workload, dev, limit, (min_batch_size, max_batch_size), steps)
         guess = traced["batch_size"] if traced is not None else None
         if agreeing:
             guess = distributed.agree_min(guess if guess is not None else 0) or None
