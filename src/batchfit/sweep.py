@@ -21,6 +21,7 @@ from typing import Any
 from batchfit.rules import ScaleRules
 from batchfit.search.cached import CacheSpec
 from batchfit.search.runner import DeviceSpec
+from batchfit.search.runner import check_bounds
 from batchfit.search.strategies import make_strategy
 from batchfit.sweep_file import SweepResult
 from batchfit.sweep_run import ESTIMATE_SOURCES
@@ -95,6 +96,7 @@ def sweep(
     if not auto_adjust and max_batch_size is None:
         raise ValueError("auto_adjust=False uses one fixed size: give it as max_batch_size (--batch-size)")
     make_strategy(strategy)  # an unknown name fails here, naming the strategies
+    check_bounds(min_batch_size, max_batch_size, max_trials)
     if isinstance(rules, (str, Path)):
         rules = ScaleRules.load(rules)
     elif isinstance(rules, Mapping):

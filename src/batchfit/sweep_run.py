@@ -38,7 +38,7 @@ from batchfit.sweep_file import describe
 from batchfit.trial import Trial
 from batchfit.units import format_bytes
 from batchfit.workload import Workload
-from batchfit.workloads import _check_options
+from batchfit.workloads import check_options
 
 logger = logging.getLogger("batchfit")
 
@@ -71,21 +71,20 @@ class SweepRunner:
         self.primary = not self.agreeing or distributed.rank() == 0  # writes the results file
 
     def run(self, configs: list[dict[str, Any]], path: str | Path | None, name: str) -> SweepResult:
-        _check_options(name, self.factory, configs[0])
+        check_options(name, self.factory, configs[0])
         first = self._build(configs[0])
         dev = resolve_device(self.device, first.model)
         header = {"workload": name, "knobs": list(configs[0]),
                   "device": {"name": dev.name, "capacity_bytes": dev.capacity_bytes(), "simulated": dev.simulated},
                   "settings": self._header_settings(first)}  # fmt: skip
         self.file = SweepFile(path, header, primary=self.primary)
-        ready: dict[int, Workload] = {0: first}
+        workload: Workload | None = first
         del first
-        for index, knobs in enumerate(configs):
-            workload = ready.pop(index, None)
+        for knobs in configs:
             if self._resumed(knobs, path) is None:
                 self.file.add(self._one(knobs, workload or self._build(knobs)))
             # A configuration's model must not hold memory during the next one's search (as on a GPU).
-            del workload
+            workload = None
             gc.collect()
             dev.cleanup()
         records = [self.file.done(knobs) for knobs in configs]
@@ -134,8 +133,7 @@ class SweepRunner:
         except NoBatchFitsError as error:
             log(f"✗ No batch size fits for {label}: {error}")
             used = None if self.settings.auto_adjust else self.settings.max_batch_size  # fixed: used anyway
-            return {**record, "batch_size_used": used, "fits": False, "error": str(error), "limit_bytes": limit,
-                    "trials": [t.to_dict() for t in error.trials], "seconds": time.perf_counter() - started}  # fmt: skip
+            return {**record, **_failure_fields(error, used, limit, time.perf_counter() - started)}
         record.update(_result_fields(result, limit, time.perf_counter() - started))
         log(
             f"Using batch size: {result.batch_size} for {label}"
@@ -248,6 +246,11 @@ def _result_fields(result: SearchResult, limit: int | None, seconds: float) -> d
             "peak_bytes": result.peak_bytes, "held_bytes": result.held_bytes, "limit_bytes": limit,
             "seconds": seconds, "trials": [t.to_dict() for t in result.trials],
             "cached": bool(result.cached)}  # fmt: skip
+
+
+def _failure_fields(error: NoBatchFitsError, used: int | None, limit: int | None, seconds: float) -> dict[str, Any]:
+    return {"batch_size_used": used, "fits": False, "error": str(error), "limit_bytes": limit,
+            "trials": [t.to_dict() for t in error.trials], "seconds": seconds}  # fmt: skip
 
 
 def _merge(record: dict[str, Any], measured: Any) -> None:

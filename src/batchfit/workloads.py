@@ -61,7 +61,7 @@ def resolve_factory(spec: str) -> tuple[str, Callable[..., Any]]:
     return spec, factory
 
 
-def _check_options(name: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
+def check_options(name: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
     parameters = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     unknown = [key for key in options if key not in parameters and not takes_any]
@@ -89,7 +89,7 @@ def load_workload(spec: str, *, only_accepted: bool = False, **options: Any) -> 
     given = {key: value for key, value in options.items() if value is not None}
     if only_accepted:
         given = _accepted(factory, given)
-    _check_options(name, factory, given)
+    check_options(name, factory, given)
     workload = factory(**given)
     if not isinstance(workload, Workload):
         raise TypeError(

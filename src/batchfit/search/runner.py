@@ -55,7 +55,7 @@ def usable_bytes(device: Device, margin: int | float | str) -> tuple[int | None,
     return capacity, None if capacity is None else capacity - margin_bytes(margin, capacity)
 
 
-def _check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: int | None) -> None:
+def check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: int | None) -> None:
     if not isinstance(min_batch_size, int) or min_batch_size < 1:
         raise ValueError(f"min_batch_size must be an integer of at least 1, got {min_batch_size!r}")
     if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < min_batch_size):
@@ -142,7 +142,7 @@ def search(
     when the workload's fingerprint (plus ``cache_settings``) was searched before, and stores new
     answers; it is not used across ranks.
     """
-    _check_bounds(min_batch_size, max_batch_size, max_trials)
+    check_bounds(min_batch_size, max_batch_size, max_trials)
     start = time.perf_counter()
     chosen = make_strategy(strategy)
     dev = resolve_device(device, workload.model)
