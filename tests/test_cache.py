@@ -3,6 +3,7 @@ writers, and damaged or unusable cache files survived."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -59,6 +60,8 @@ CHANGES = {
     "frozen parameters": lambda: build(frozen=True),
     "sample shape": lambda: build(features=24),
     "loss": lambda: build(loss=lambda out, targets: F.cross_entropy(out, targets) * 2),
+    "loss wrapped in a partial": lambda: build(loss=functools.partial(F.cross_entropy, label_smoothing=0.1)),
+    "loss module": lambda: build(loss=nn.CrossEntropyLoss(label_smoothing=0.1)),
     "optimizer class": lambda: build(optimizer=lambda p: torch.optim.AdamW(p)),
     "optimizer state setting": lambda: build(optimizer=lambda p: torch.optim.Adam(p, amsgrad=True)),
     "amp dtype": lambda: build(amp_dtype="bf16"),

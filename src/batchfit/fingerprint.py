@@ -10,6 +10,7 @@ alone (the learning rate, the sample's values) are left out, so changing them st
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable
@@ -29,6 +30,10 @@ def _code(function: Callable | None) -> str | None:
     """A function's name and a digest of its bytecode and constants: an edited loss misses."""
     if function is None:
         return None
+    if isinstance(function, functools.partial):
+        return f"partial({_code(function.func)}, args={len(function.args)}, keywords={sorted(function.keywords)})"
+    if isinstance(function, torch.nn.Module):  # a loss module: its class and settings
+        return f"{type(function).__module__}.{type(function).__qualname__}:{function!r}"
     target = getattr(function, "__func__", function)
     code = getattr(target, "__code__", None)
     name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__qualname__)}"
