@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -131,7 +130,6 @@ def search(
     trace: bool = True,
     agree: bool | None = None,
     cache: CacheSpec = False,
-    cache_settings: Mapping[str, Any] | None = None,
 ) -> SearchResult:
     """Find the largest batch size of ``workload`` that fits; see ``find_max_batch_size``.
 
@@ -139,8 +137,8 @@ def search(
     Each trial is logged at INFO on the ``batchfit`` logger (DEBUG with ``on_trial``, or on a trace).
     ``agree`` (default: when a process group is initialised) makes all ranks agree on every trial.
     ``cache`` (``True``, a folder or a ``ResultCache``) returns a stored answer with zero trials
-    when the workload's fingerprint (plus ``cache_settings``) was searched before, and stores new
-    answers; it is not used across ranks.
+    when the workload's fingerprint was searched before, and stores new answers; it is not used
+    across ranks.
     """
     check_bounds(min_batch_size, max_batch_size, max_trials)
     start = time.perf_counter()
@@ -150,15 +148,12 @@ def search(
     agreeing = distributed.active() if agree is None else agree
     if agreeing and limit is not None:
         limit = distributed.agree_min(limit)  # every rank aims at the smallest device's memory
-    store = open_cache(cache) if not agreeing else None
-    if store is not None:
-        settings = {"min_batch_size": min_batch_size, "max_batch_size": max_batch_size, "limit_bytes": limit,
-                    "steps": steps, "strategy": getattr(chosen, "name", None), "max_trials": max_trials,
-                    **(cache_settings or {})}  # fmt: skip
-        store = CachedSearch.make(store, workload, dev, settings)
-        hit = store.lookup(start)
-        if hit is not None:
-            return hit
+    settings = {"min_batch_size": min_batch_size, "max_batch_size": max_batch_size, "limit_bytes": limit,
+                "steps": steps, "strategy": getattr(chosen, "name", None), "max_trials": max_trials}  # fmt: skip
+    cached = _place_in_cache(cache, agreeing, workload, dev, settings)
+    hit = cached.lookup(start) if cached is not None else None
+    if hit is not None:
+        return hit
     traced = None
     if trace and strategy == "auto" and limit is not None and not getattr(dev, "traces", False):
         traced = trace_estimate(workload, dev, limit, (min_batch_size, max_batch_size), steps)
@@ -207,9 +202,16 @@ def search(
         workload=workload.name,
         extra={"trace": traced} if traced is not None else {},
     )
-    if store is not None:
-        store.store(result)
+    if cached is not None:
+        cached.store(result)
     return result
+
+
+def _place_in_cache(cache: CacheSpec, agreeing: bool, workload: Workload, device: Device,
+                    settings: dict[str, Any]) -> CachedSearch | None:  # fmt: skip
+    """Where this search's answer is kept, or ``None``: no cache, or ranks (which could disagree on a hit)."""
+    opened = open_cache(cache) if not agreeing else None
+    return CachedSearch.make(opened, workload, device, settings) if opened is not None else None
 
 
 def _check_proposal(batch_size: int, trials: list[Trial], space: SearchSpace, strategy: Strategy) -> None:
