@@ -7,6 +7,7 @@
 
 from batchfit.accumulate import GradientAccumulator
 from batchfit.cache import ResultCache
+from batchfit.critical import critical_batch_by_training
 from batchfit.devices import CpuDevice
 from batchfit.devices import CudaDevice
 from batchfit.devices import Device
@@ -22,6 +23,10 @@ from batchfit.estimate import analytic_estimate
 from batchfit.estimate import estimate_memory
 from batchfit.microbatch import EvalMicrobatcher
 from batchfit.microbatch import Microbatcher
+from batchfit.noise import NoiseScale
+from batchfit.noise import NoiseScaleEstimator
+from batchfit.noise import goodput
+from batchfit.noise_measure import measure_noise_scale
 from batchfit.plan import BatchPlan
 from batchfit.plan import plan_batch
 from batchfit.rules import ScaleRules
@@ -63,6 +68,8 @@ __all__ = [
     "ModelDoesNotFitError",
     "MpsDevice",
     "NoBatchFitsError",
+    "NoiseScale",
+    "NoiseScaleEstimator",
     "ResultCache",
     "ScaleRules",
     "SearchResult",
@@ -76,12 +83,15 @@ __all__ = [
     "Trial",
     "Workload",
     "analytic_estimate",
+    "critical_batch_by_training",
     "estimate_memory",
     "find_max_batch_size",
     "find_optimal_batch_size",
     "format_bytes",
+    "goodput",
     "is_oom",
     "make_strategy",
+    "measure_noise_scale",
     "parse_bytes",
     "plan_batch",
     "probe_batch_size",

@@ -23,6 +23,8 @@ from batchfit.lr import scale_learning_rate
 from batchfit.lr import suggested_warmup_epochs
 from batchfit.lr import warmup_cosine
 from batchfit.lr import warmup_need
+from batchfit.noise import critical_target
+from batchfit.noise import tradeoff_at
 
 GOALS = ("accuracy", "speed", "memory")
 
@@ -75,6 +77,7 @@ class BatchPlan:
     hardware_calibration: dict[str, Any] | None = None
     schedule: list[Stage] | None = None
     target_in_tokens: bool = False
+    critical: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "devices", "target_samples"):
@@ -153,6 +156,8 @@ class BatchPlan:
         }
         if self.hardware_calibration is not None:
             document["hardware_calibration"] = self.hardware_calibration
+        if self.critical is not None:
+            document["critical_batch"] = dict(self.critical)
         if self.schedule is not None:
             document["batch_schedule"] = [asdict(stage) for stage in self.schedule]
         return document
@@ -212,10 +217,11 @@ def _split(target: int, devices: int, largest_micro: int) -> tuple[int, int, lis
 def plan_batch(
     *,
     micro_batch_size: int,
-    global_batch_size: int | None = None,
+    global_batch_size: int | str | None = None,
     global_batch_tokens: int | None = None,
     seq_len: int | None = None,
     devices: int | None = None,
+    noise_scale: Any = None,
     base_lr: float | None = None,
     base_batch_size: int | None = None,
     lr_scaling: str = "linear",
@@ -242,6 +248,10 @@ def plan_batch(
     ``model_family`` (``gpt2``, ``bert``, ``llama``, ``resnet50-imagenet``) supplies a typical
     target when none is given. ``schedule_from`` with ``epochs`` adds a batch-size ramp from that
     global batch up to the target (seed 001 pattern 7), by accumulation steps.
+    ``global_batch_size="critical"`` with ``noise_scale`` (a ``NoiseScale`` from
+    ``measure_noise_scale``, or B_simple as a number) plans the critical batch (McCandlish et al.
+    2018); with any target, a noise scale adds the steps and samples the plan's batch costs
+    relative to their minimum (``plan.critical``).
 
     >>> plan = plan_batch(micro_batch_size=16, global_batch_tokens=32768, seq_len=256)
     >>> plan.gradient_accumulation_steps, plan.global_batch_tokens
@@ -262,12 +272,22 @@ def plan_batch(
             global_batch_size = int(family["global_batch"])
             if base_lr is None and base_batch_size is None and "learning_rate" in family:
                 base_lr, base_batch_size = float(family["learning_rate"]), int(family["global_batch"])
+    phi = _noise_scale(noise_scale)
+    critical_notes: list[str] = []
+    if global_batch_size == "critical":
+        if phi is None:
+            raise ValueError("global_batch_size='critical' needs noise_scale: measure_noise_scale(...) or B_simple")
+        global_batch_size, critical_notes = critical_target(phi, micro_batch_size, devices)
     target, notes = _target_samples(global_batch_size, global_batch_tokens, seq_len)
+    notes += critical_notes
     micro, accumulation, split_notes = _split(target, devices, micro_batch_size)
     plan = BatchPlan(micro, accumulation, devices, target, seq_len, lr_scaling=lr_scaling, dataset_size=dataset_size,
                      epochs=epochs, max_micro_batch_size=micro_batch_size, warnings=notes + split_notes,
                      target_in_tokens=global_batch_tokens is not None)  # fmt: skip
     _learning_rate(plan, base_lr, base_batch_size, global_batch_tokens is not None, warmup_epochs, warmup_steps)
+    if phi is not None:
+        plan.critical = tradeoff_at(phi, plan.global_batch_size)
+        plan.advice.append(_tradeoff_advice(plan.critical))
     plan.warnings += _warnings(plan, has_batchnorm, fine_tuning, goal, measured_optimal)
     plan.advice += _advice(plan, goal, fine_tuning, capacity_gib, weight_decay)
     if worker_throughput is not None:
@@ -281,6 +301,23 @@ def plan_batch(
                                        devices=devices, ramp=schedule_ramp, base_lr=base_lr, base_batch_size=base_batch_size,
                                        lr_scaling=lr_scaling, unit=seq_len if plan.target_in_tokens else 1)  # fmt: skip
     return plan
+
+
+def _noise_scale(noise_scale: Any) -> float | None:
+    if noise_scale is None:
+        return None
+    value = getattr(noise_scale, "b_simple", noise_scale)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"noise_scale must be a NoiseScale or a positive B_simple, got {noise_scale!r}")
+    return float(value)
+
+
+def _tradeoff_advice(critical: dict[str, float]) -> str:
+    return (
+        f"With a gradient noise scale of {critical['b_simple']:,.0f}, a global batch of {critical['batch_size']:,} "
+        f"takes {critical['steps_ratio']:.2f}x the fewest optimizer steps and {critical['samples_ratio']:.2f}x the "
+        "fewest samples (McCandlish et al. 2018: at the critical batch both are about 2x)"
+    )
 
 
 def _learning_rate(plan: BatchPlan, base_lr: float | None, base_batch_size: int | None, in_tokens: bool,
