@@ -86,3 +86,21 @@ def test_a_sweep_under_torchrun_agrees_writes_once_and_caches(tmp_path):
     saved = json.loads((tmp_path / "first.json").read_text())
     assert saved["device"]["name"] == "sim:1.0MiB"  # written by rank 0 only
     assert [r["batch_size_used"] for r in saved["summary"]] == expected
+
+
+def test_the_noise_scale_over_two_ranks_equals_two_micro_batches_on_one(tmp_path):
+    from torch.nn import functional as F
+
+    from test_noise import loader
+    from test_noise import regression
+
+    out = tmp_path / "noise"
+    completed = torchrun("ddp_noise.py", out)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    model, inputs, targets = regression()
+    alone = bf.measure_noise_scale(model, loader(inputs, targets, 16), loss_fn=F.mse_loss, steps=40, micro_batch_size=8)
+    for measured in ranks:
+        assert (measured["small_batch_size"], measured["big_batch_size"]) == (8, 16)
+        for key in ("b_simple", "grad_norm_sq", "trace_sigma"):
+            assert measured[key] == pytest.approx(getattr(alone, key), rel=1e-9), key

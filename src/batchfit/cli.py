@@ -211,6 +211,9 @@ def optimal(
         float | None, typer.Option(help="Stay below this share of the maximum, e.g. 0.8.")
     ] = None,
     timed_steps: Annotated[int, typer.Option(help="Timed steps per batch size (after 2 warm-up steps).")] = 5,
+    noise_scale: Annotated[
+        float | None, typer.Option(help="B_simple (batchfit critical): also report the goodput-optimal batch (Pollux).")
+    ] = None,
     seq_len: Annotated[
         int | None, typer.Option(help="Sequence length, for workloads that take one (adds tokens/s).")
     ] = None,
@@ -239,13 +242,24 @@ def optimal(
     for note in result.notes:
         console.print(f"[yellow]Note:[/] {escape(note)}")
     console.print(f"[bold green]{escape(result.summary())}[/]")
+    extra = {"goodput": _print_goodput(result, noise_scale).to_dict()} if noise_scale is not None else {}
     if json_path is not None:
-        write_json(json_path, {"workload": {"name": work.name, "options": options},
+        write_json(json_path, {"workload": {"name": work.name, "options": options}, **extra,
                                "device": {"name": dev.name, "simulated": dev.simulated}, **result.to_dict(), "versions": versions()})  # fmt: skip
     if plot is not None:
         from batchfit.plots import plot_throughput
 
         plot_throughput(result, plot)
+
+
+def _print_goodput(result: Any, noise_scale: float) -> Any:
+    from batchfit.noise import goodput
+
+    found = goodput(result, noise_scale)
+    console.print(f"[bold green]Goodput (throughput x statistical efficiency, Pollux) with B_simple {noise_scale:,.0f}: "
+                  f"best measured at batch {found.best_measured_batch_size}; the fitted line peaks at "
+                  f"{found.optimal_batch_size} (sqrt(B_simple x alpha / beta)).[/]")  # fmt: skip
+    return found
 
 
 class LrScaling(str, Enum):
@@ -346,6 +360,7 @@ def list_workloads() -> None:
         console.print(f"[bold]{name:10}[/] {line}", highlight=False)
 
 
+from batchfit import cli_critical  # noqa: E402, F401  (registers critical)
 from batchfit import cli_sweep  # noqa: E402, F401  (registers sweep and cache)
 
 

@@ -80,7 +80,9 @@ def _train(build: Build, train: Any, batch_size: int, lr: float, steps: int, see
 
 
 @torch.no_grad()
-def _validation_loss(model: torch.nn.Module, validation: Any, loss_fn: Callable | None, step_fn: Callable | None) -> float:
+def _validation_loss(
+    model: torch.nn.Module, validation: Any, loss_fn: Callable | None, step_fn: Callable | None
+) -> float:
     model.eval()
     length = batch_length(validation)
     total = 0.0
@@ -136,7 +138,9 @@ def critical_batch_by_training(
     if not isinstance(samples, int) or samples < sizes[-1]:
         raise ValueError(f"samples must be an integer of at least the largest batch ({sizes[-1]}), got {samples!r}")
     if sizes[-1] > batch_length(train):
-        raise ValueError(f"the largest batch ({sizes[-1]}) is larger than the training data ({batch_length(train)} rows)")
+        raise ValueError(
+            f"the largest batch ({sizes[-1]}) is larger than the training data ({batch_length(train)} rows)"
+        )
     base = base_batch_size or sizes[0]
     points = []
     for size in sizes:

@@ -1,0 +1,32 @@
+"""Run by test_distributed.py under torchrun (2 ranks, gloo): each rank's local gradient is one
+small batch, the global batch the big one, so the estimate equals one process with 2 micro-batches."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import batchfit as bf
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_noise import loader
+from test_noise import regression
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, inputs, targets = regression()
+    halves = ((x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]) for x, y in loader(inputs, targets, 16))
+    ddp = DistributedDataParallel(model)
+    noise = bf.measure_noise_scale(ddp, halves, loss_fn=F.mse_loss, steps=40)
+    Path(f"{sys.argv[1]}.{rank}").write_text(json.dumps(noise.to_dict()))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
