@@ -210,3 +210,38 @@ def test_seed_004s_method_finds_where_validation_loss_stops_holding_up():
     with pytest.raises(ValueError, match="larger than the training data"):
         bf.critical_batch_by_training(build, (inputs[:8], targets[:8]), (inputs, targets), samples=64, base_lr=0.1,
                                       batch_sizes=(16,), loss_fn=F.mse_loss)  # fmt: skip
+
+
+def test_passively_inside_gradient_accumulation_it_matches_the_active_measurement():
+    model, inputs, targets = regression()
+    active = bf.measure_noise_scale(
+        model, loader(inputs, targets, 64), loss_fn=F.mse_loss, steps=25, micro_batch_size=8
+    )
+    estimator = NoiseScaleEstimator()
+    accumulator = bf.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn=F.mse_loss,
+                                         micro_batch_size=8, noise=estimator)  # fmt: skip
+    data = loader(inputs, targets, 64)
+    for _ in range(25):
+        accumulator.step(next(data))
+    passive = estimator.result()
+    assert (passive.b_simple, passive.grad_norm_sq, passive.trace_sigma) == pytest.approx(
+        (active.b_simple, active.grad_norm_sq, active.trace_sigma), rel=1e-9
+    )
+    assert (passive.small_batch_size, passive.big_batch_size) == (8, 64)
+
+
+def test_the_microbatcher_measures_from_the_micro_batches_that_survived_an_oom():
+    model, inputs, targets = regression()
+    active = bf.measure_noise_scale(
+        model, loader(inputs, targets, 64), loss_fn=F.mse_loss, steps=6, micro_batch_size=16
+    )
+    estimator = NoiseScaleEstimator()
+    batcher = bf.Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn=F.mse_loss,
+                              device=bf.SimulatedDevice("24KiB"), micro_batch_size=64, noise=estimator)  # fmt: skip
+    data = loader(inputs, targets, 64)
+    for _ in range(6):
+        batcher.step(next(data))
+    assert batcher.history[0].ooms == 2 and batcher.micro_batch_size == 16  # 64 and 32 ran out of memory
+    passive = estimator.result()
+    assert passive.steps == 6 and passive.small_batch_size == 16
+    assert passive.b_simple == pytest.approx(active.b_simple, rel=1e-9)

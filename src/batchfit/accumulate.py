@@ -13,17 +13,22 @@ from typing import Any
 
 import torch
 
+from batchfit import distributed
 from batchfit.batching import batch_length
 from batchfit.batching import slice_batch
+from batchfit.noise import NoiseScaleEstimator
+from batchfit.noise_measure import GradientWatcher
 from batchfit.workload import compute_loss
 
 
 def backward_micro_batches(model: torch.nn.Module, pieces: list[Any], weights: list[int], *, loss_fn: Callable | None = None,
-                           step_fn: Callable | None = None, scaler: Any = None, sync_last: bool = True) -> float:  # fmt: skip
+                           step_fn: Callable | None = None, scaler: Any = None, sync_last: bool = True,
+                           after_each: Callable[[int, float], None] | None = None) -> float:  # fmt: skip
     """Backward over ``pieces``, each mean loss weighted by its share of ``weights``; ``.grad`` then
     holds the gradient of the whole batch's mean loss. Under DDP every backward but the last runs in
     ``no_sync()`` (all of them without ``sync_last``). The loss is summed where it is and read once,
-    so there is no device sync per micro-batch. Returns the mean loss."""
+    so there is no device sync per micro-batch. ``after_each(weight, share)`` runs after every
+    backward (the gradient noise scale watches there). Returns the mean loss."""
     whole = sum(weights)
     defers = hasattr(model, "no_sync")
     total = None
@@ -34,11 +39,17 @@ def backward_micro_batches(model: torch.nn.Module, pieces: list[Any], weights: l
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
         del loss
+        if after_each is not None:
+            after_each(weight, weight / whole)
     return float(total)
 
 
 class GradientAccumulator:
     """One optimizer step per global batch, computed ``micro_batch_size`` rows at a time.
+
+    ``noise`` (a ``NoiseScaleEstimator``) measures the gradient noise scale passively: each
+    micro-batch is a small batch and the global batch the big one (under DDP, every rank's
+    micro-batches; the gradients are then averaged once, explicitly).
 
     >>> model = torch.nn.Linear(4, 1)
     >>> accumulator = GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -60,6 +71,7 @@ class GradientAccumulator:
         ema: Any = None,
         scaler: Any = None,
         sample_weight: Callable[[Any], int] | None = None,
+        noise: NoiseScaleEstimator | None = None,
     ):
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
@@ -69,6 +81,7 @@ class GradientAccumulator:
         self.scheduler, self.ema, self.scaler = scheduler, ema, scaler
         self.sample_weight = sample_weight or batch_length  # tokens instead: lambda b: int(b["attention_mask"].sum())
         self.micro_batches_last_step = 0
+        self.noise = noise  # measured passively: micro-batches are the small batch, the step the big one
 
     def accumulate(self, batch: Any) -> float:
         """Backward over every micro-batch of ``batch``; ``.grad`` then holds the full batch's
@@ -77,8 +90,15 @@ class GradientAccumulator:
         pieces = [
             slice_batch(batch, start, start + self.micro_batch_size) for start in range(0, total, self.micro_batch_size)
         ]
+        watcher = GradientWatcher(self.model, self.scaler) if self.noise is not None else None
+        local = watcher is not None and distributed.active() and hasattr(self.model, "no_sync")
         loss = backward_micro_batches(self.model, pieces, [self.sample_weight(piece) for piece in pieces], loss_fn=self.loss_fn,
-                                      step_fn=self.step_fn, scaler=self.scaler)  # fmt: skip
+                                      step_fn=self.step_fn, scaler=self.scaler, sync_last=not local,
+                                      after_each=watcher.after if watcher is not None else None)  # fmt: skip
+        if watcher is not None:
+            watcher.finish(self.noise)  # before DDP averages: each rank's own gradients are small batches too
+        if local:
+            distributed.average_gradients(self.model)
         self.micro_batches_last_step = len(pieces)
         return loss
 

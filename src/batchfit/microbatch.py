@@ -19,6 +19,8 @@ from batchfit.batching import batch_length
 from batchfit.batching import slice_batch
 from batchfit.devices.oom import is_oom
 from batchfit.devices.resolve import resolve_device
+from batchfit.noise import NoiseScaleEstimator
+from batchfit.noise_measure import GradientWatcher
 from batchfit.state import StateSnapshot
 from batchfit.workload import compute_loss
 
@@ -71,7 +73,9 @@ class Microbatcher:
     tokens (``tokens_per_sample``, by default from ``attention_mask`` or the sequence length), and
     it is the token budget that halves on OOM. ``weight`` must match how the loss is reduced:
     ``"samples"`` for a mean over samples, ``"tokens"`` for a mean over tokens (Hugging Face
-    causal-LM losses); only then is the accumulated gradient the full batch's.
+    causal-LM losses); only then is the accumulated gradient the full batch's. ``noise`` (a
+    ``NoiseScaleEstimator``) measures the gradient noise scale on the way: micro-batches are the
+    small batch, the global step the big one (read it with ``noise.result()``).
 
     >>> model = torch.nn.Linear(4, 1)
     >>> batcher = Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -98,6 +102,7 @@ class Microbatcher:
         max_tokens: int | None = None,
         tokens_per_sample: Callable[[Any], torch.Tensor] | None = None,
         weight: str = "samples",
+        noise: NoiseScaleEstimator | None = None,
     ):
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
@@ -121,6 +126,8 @@ class Microbatcher:
         self.sample_weight = sample_weight or (token_weight if weight == "tokens" else batch_length)
         self.smallest_failure: int | None = None
         self.history: list[StepRecord] = []
+        self.noise = noise  # the gradient noise scale, measured passively from the micro-batches
+        self._watcher: GradientWatcher | None = None
         self._clean_steps = 0
 
     # -- the step --------------------------------------------------------------------------------
@@ -150,6 +157,8 @@ class Microbatcher:
             ooms += 1
             replays += 1
             size = self._shrink(size)
+        if self._watcher is not None:
+            self._watcher.finish(self.noise)  # each rank's own micro-batches, before averaging
         if agreeing and hasattr(self.model, "no_sync"):
             distributed.average_gradients(self.model)
         self._optimizer_step()
@@ -177,10 +186,12 @@ class Microbatcher:
         """Backward over the micro-batches ``slices``; the mean loss, or ``None`` after an OOM
         (cleaned up). DDP synchronises on the last micro-batch only, or never with ``local_only``."""
         pieces = [slice_batch(batch, start, stop) for start, stop in slices]
+        self._watcher = GradientWatcher(self.model, self.scaler) if self.noise is not None else None
+        watch = self._watcher.after if self._watcher is not None else None
         try:
             return backward_micro_batches(self.model, pieces, [self.sample_weight(piece) for piece in pieces],
                                           loss_fn=self.loss_fn, step_fn=self.step_fn, scaler=self.scaler,
-                                          sync_last=not local_only)  # fmt: skip
+                                          sync_last=not local_only, after_each=watch)  # fmt: skip
         except BaseException as error:
             if not is_oom(error):
                 raise

@@ -48,7 +48,10 @@ class _Step:
         self.count, self.inverse_sizes, self.samples = 0, 0.0, 0
 
     def add(self, size: int, scale: float) -> None:
-        grads = [p.grad.double() / scale if p.grad is not None else None for p in self.params]
+        """Count the parameters' current ``.grad`` (divided by the loss scale) as one small batch."""
+        self.add_gradients([p.grad.double() / scale if p.grad is not None else None for p in self.params], size)
+
+    def add_gradients(self, grads: list[torch.Tensor | None], size: int) -> None:
         for total, grad in zip(self.big, grads, strict=True):
             if grad is not None:
                 self.small_sq += grad.pow(2).sum()
@@ -79,6 +82,35 @@ class _Step:
         if not (torch.isfinite(torch.tensor([big_sq, small_sq])).all()) or self.count < 2:
             return None
         return small_sq, self.count / self.inverse_sizes, big_sq, float(self.samples)
+
+
+class GradientWatcher:
+    """The noise scale measured passively inside gradient accumulation: ``after(weight, share)``
+    after each micro-batch's backward recovers that micro-batch's own gradient from the growth of
+    ``.grad`` (it added ``share`` times its gradient); ``finish(estimator)`` adds the step. Costs
+    two float64 copies of the gradients while a step accumulates."""
+
+    def __init__(self, model: torch.nn.Module, scaler: Any = None):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        self.step = _Step(self.params)
+        self.previous = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]
+
+    def after(self, weight: int, share: float) -> None:
+        # a copy: .double() of a float64 gradient is the gradient itself, which the next backward grows
+        current = [p.grad.to(torch.float64, copy=True) if p.grad is not None else torch.zeros_like(p, dtype=torch.float64)
+                   for p in self.params]  # fmt: skip
+        own = [(now - before) / (share * self.scale) for now, before in zip(current, self.previous, strict=True)]
+        self.step.add_gradients(own, weight)
+        self.previous = current
+
+    def finish(self, estimator: NoiseScaleEstimator) -> None:
+        """Add this step (summed over the ranks under torch.distributed) to ``estimator``."""
+        if distributed.active():
+            self.step.reduce()
+        statistics = self.step.statistics()
+        if statistics is not None:
+            estimator.update(*statistics)
 
 
 def _backward(model: torch.nn.Module, piece: Any, size: int, loss_fn: Callable | None, step_fn: Callable | None,
