@@ -142,6 +142,7 @@ def test_an_ema_follows_recent_steps():
         ({"micro_batch_size": 0}, "micro_batch_size must be a positive integer"),
         ({"reduction": "max"}, "reduction must be 'mean' or 'sum'"),
         ({"optimizer": "sgd"}, "optimizer must be a torch.optim.Optimizer"),
+        ({"micro_batch_size": 16}, "needs at least two small batches per step"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, message):

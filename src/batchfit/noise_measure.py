@@ -138,6 +138,11 @@ def _check(steps: int, micro_batch_size: int | None, reduction: str, optimizer: 
 def _pieces(batch: Any, micro_batch_size: int | None) -> list[Any]:
     length = batch_length(batch)
     size = micro_batch_size or (length if distributed.active() else max(1, length // 2))
+    if size >= length and not distributed.active():
+        raise ValueError(
+            f"a batch of {length} rows does not split into micro-batches of {size}: the noise scale needs at least two "
+            "small batches per step (use a smaller micro_batch_size or larger batches)"
+        )
     return [slice_batch(batch, start, start + size) for start in range(0, length, size)]
 
 
