@@ -100,6 +100,15 @@ def resize_batch(batch: Any, batch_size: int) -> Any:
     return map_tensors(resize, batch)
 
 
+def select_rows(batch: Any, rows: torch.Tensor) -> Any:
+    """The rows ``rows`` (indices, repeats allowed) of every batched tensor; scalars kept.
+
+    >>> select_rows({"x": torch.arange(5)}, torch.tensor([4, 0, 4]))
+    {'x': tensor([4, 0, 4])}
+    """
+    return map_tensors(lambda t: t if t.dim() == 0 else t.index_select(0, rows.to(t.device)), batch)
+
+
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
     """Rows ``start:stop`` of every batched tensor (scalars and non-tensor leaves kept).
 

@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchfit.batching import batch_length
-from batchfit.batching import map_tensors
+from batchfit.batching import select_rows
 from batchfit.cli_common import Debug
 from batchfit.cli_common import SeqLen
 from batchfit.cli_common import app
@@ -25,16 +25,12 @@ from batchfit.report import write_json
 from batchfit.workloads import load_workload
 
 
-def _rows(batch: Any, rows: torch.Tensor) -> Any:
-    return map_tensors(lambda t: t if t.dim() == 0 else t.index_select(0, rows.to(t.device)), batch)
-
-
 def draws(population: Any, batch_size: int, seed: int) -> Iterator[Any]:
     """Batches of ``batch_size`` rows drawn with replacement from ``population`` (fixed seed)."""
     generator = torch.Generator().manual_seed(seed)
     length = batch_length(population)
     while True:
-        yield _rows(population, torch.randint(0, length, (batch_size,), generator=generator))
+        yield select_rows(population, torch.randint(0, length, (batch_size,), generator=generator))
 
 
 def tradeoff_table(noise: NoiseScale, chosen: int) -> Table:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from batchfit.batching import batch_length
-from batchfit.batching import map_tensors
+from batchfit.batching import select_rows
 from batchfit.lr import scale_learning_rate
 from batchfit.workload import compute_loss
 
@@ -55,10 +55,6 @@ class EmpiricalCritical:
                 "points": [asdict(p) for p in self.points]}  # fmt: skip
 
 
-def _rows(data: Any, rows: torch.Tensor) -> Any:
-    return map_tensors(lambda t: t if t.dim() == 0 else t.index_select(0, rows.to(t.device)), data)
-
-
 def _train(build: Build, train: Any, batch_size: int, lr: float, steps: int, seed: int, loss_fn: Callable | None,
            step_fn: Callable | None) -> torch.nn.Module:  # fmt: skip
     torch.manual_seed(seed)
@@ -71,7 +67,7 @@ def _train(build: Build, train: Any, batch_size: int, lr: float, steps: int, see
     for _ in range(steps):
         if position + batch_size > length:  # a new epoch: reshuffle
             order, position = torch.randperm(length, generator=generator), 0
-        batch = _rows(train, order[position : position + batch_size])
+        batch = select_rows(train, order[position : position + batch_size])
         position += batch_size
         compute_loss(model, batch, loss_fn=loss_fn, step_fn=step_fn).backward()
         optimizer.step()
@@ -88,7 +84,7 @@ def _validation_loss(
     total = 0.0
     for start in range(0, length, VALIDATION_CHUNK):
         rows = torch.arange(start, min(start + VALIDATION_CHUNK, length))
-        total += float(compute_loss(model, _rows(validation, rows), loss_fn=loss_fn, step_fn=step_fn)) * len(rows)
+        total += float(compute_loss(model, select_rows(validation, rows), loss_fn=loss_fn, step_fn=step_fn)) * len(rows)
     return total / length
 
 

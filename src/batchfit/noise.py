@@ -233,3 +233,22 @@ def goodput(throughput: Any, noise_scale: float, base_batch_size: int | None = N
     optimal = goodput_optimal_batch(throughput.alpha_seconds, throughput.beta_seconds_per_sample, noise_scale,
                                     throughput.max_batch_size)  # fmt: skip
     return Goodput(noise_scale, base, points, int(best["batch_size"]), optimal)
+
+
+def noise_scale_value(noise_scale: Any) -> float | None:
+    """B_simple from a ``NoiseScale`` or a number (``None`` stays ``None``)."""
+    if noise_scale is None:
+        return None
+    value = getattr(noise_scale, "b_simple", noise_scale)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"noise_scale must be a NoiseScale or a positive B_simple, got {noise_scale!r}")
+    return float(value)
+
+
+def tradeoff_advice(critical: dict[str, float]) -> str:
+    """One sentence on what ``tradeoff_at`` found, for a plan's advice."""
+    return (
+        f"With a gradient noise scale of {critical['b_simple']:,.0f}, a global batch of {critical['batch_size']:,} "
+        f"takes {critical['steps_ratio']:.2f}x the fewest optimizer steps and {critical['samples_ratio']:.2f}x the "
+        "fewest samples (McCandlish et al. 2018: at the critical batch both are about 2x)"
+    )

@@ -24,6 +24,8 @@ from batchfit.lr import suggested_warmup_epochs
 from batchfit.lr import warmup_cosine
 from batchfit.lr import warmup_need
 from batchfit.noise import critical_target
+from batchfit.noise import noise_scale_value
+from batchfit.noise import tradeoff_advice
 from batchfit.noise import tradeoff_at
 
 GOALS = ("accuracy", "speed", "memory")
@@ -272,7 +274,7 @@ def plan_batch(
             global_batch_size = int(family["global_batch"])
             if base_lr is None and base_batch_size is None and "learning_rate" in family:
                 base_lr, base_batch_size = float(family["learning_rate"]), int(family["global_batch"])
-    phi = _noise_scale(noise_scale)
+    phi = noise_scale_value(noise_scale)
     critical_notes: list[str] = []
     if global_batch_size == "critical":
         if phi is None:
@@ -287,7 +289,7 @@ def plan_batch(
     _learning_rate(plan, base_lr, base_batch_size, global_batch_tokens is not None, warmup_epochs, warmup_steps)
     if phi is not None:
         plan.critical = tradeoff_at(phi, plan.global_batch_size)
-        plan.advice.append(_tradeoff_advice(plan.critical))
+        plan.advice.append(tradeoff_advice(plan.critical))
     plan.warnings += _warnings(plan, has_batchnorm, fine_tuning, goal, measured_optimal)
     plan.advice += _advice(plan, goal, fine_tuning, capacity_gib, weight_decay)
     if worker_throughput is not None:
@@ -301,23 +303,6 @@ def plan_batch(
                                        devices=devices, ramp=schedule_ramp, base_lr=base_lr, base_batch_size=base_batch_size,
                                        lr_scaling=lr_scaling, unit=seq_len if plan.target_in_tokens else 1)  # fmt: skip
     return plan
-
-
-def _noise_scale(noise_scale: Any) -> float | None:
-    if noise_scale is None:
-        return None
-    value = getattr(noise_scale, "b_simple", noise_scale)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"noise_scale must be a NoiseScale or a positive B_simple, got {noise_scale!r}")
-    return float(value)
-
-
-def _tradeoff_advice(critical: dict[str, float]) -> str:
-    return (
-        f"With a gradient noise scale of {critical['b_simple']:,.0f}, a global batch of {critical['batch_size']:,} "
-        f"takes {critical['steps_ratio']:.2f}x the fewest optimizer steps and {critical['samples_ratio']:.2f}x the "
-        "fewest samples (McCandlish et al. 2018: at the critical batch both are about 2x)"
-    )
 
 
 def _learning_rate(plan: BatchPlan, base_lr: float | None, base_batch_size: int | None, in_tokens: bool,
