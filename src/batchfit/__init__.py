@@ -8,6 +8,7 @@
 from batchfit.accumulate import GradientAccumulator
 from batchfit.cache import ResultCache
 from batchfit.critical import critical_batch_by_training
+from batchfit.decorator import executable_batch_size
 from batchfit.devices import CpuDevice
 from batchfit.devices import CudaDevice
 from batchfit.devices import Device
@@ -85,6 +86,7 @@ __all__ = [
     "analytic_estimate",
     "critical_batch_by_training",
     "estimate_memory",
+    "executable_batch_size",
     "find_max_batch_size",
     "find_optimal_batch_size",
     "format_bytes",
