@@ -1,0 +1,28 @@
+"""torch.compile'd models on the counting devices (simulated, trace, CPU).
+
+Those devices count bytes through a ``TorchDispatchMode``. Dynamo does not compile under an active
+dispatch mode, and worse: a compiled module called under one has its ``forward`` code marked
+"skip" for the rest of the process, so the user's model would never compile again (torch 2.13;
+any plain ``TorchDispatchMode`` shows it). There, a compiled model is probed as its original
+module, which shares the parameters: the memory of the eager step, and the model left compilable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from batchfit.devices.base import CountingDevice
+from batchfit.devices.base import Device
+from batchfit.workload import Workload
+
+logger = logging.getLogger("batchfit")
+
+
+def uncompiled(workload: Workload, device: Device) -> Workload:
+    """``workload`` with a compiled model replaced by its original module on a counting device."""
+    original = getattr(workload.model, "_orig_mod", None)
+    if original is None or not isinstance(device, CountingDevice):
+        return workload
+    logger.info("batchfit: probing the torch.compile'd model's original module on %s (eager memory)", device.name)
+    return dataclasses.replace(workload, model=original)
