@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 from torch.nn import functional as F
 
 import batchfit as bf
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo keeps graphs per code object: each test starts with none."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 class Net(torch.nn.Module):
@@ -33,3 +42,16 @@ def test_a_compiled_model_is_probed_eagerly_and_left_compilable():
     counters.clear()
     compiled(torch.randn(5, 32))
     assert counters["stats"]["unique_graphs"] >= 1  # dynamo still compiles the user's model afterwards
+
+
+def test_timing_a_compiled_model_leaves_it_compilable_too():
+    torch.manual_seed(0)
+    compiled = torch.compile(Net(), backend="eager")
+    batch = (torch.randn(4, 32), torch.randint(0, 4, (4,)))
+    result = bf.find_optimal_batch_size(compiled, batch, loss_fn=F.cross_entropy,
+                                        optimizer=torch.optim.Adam(compiled.parameters()), device="sim:256KiB",
+                                        max_batch_size=8, timed_steps=1)  # fmt: skip
+    assert 1 <= result.batch_size <= 8
+    counters.clear()
+    compiled(torch.randn(5, 32))
+    assert counters["stats"]["unique_graphs"] >= 1

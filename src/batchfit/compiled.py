@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-
-from batchfit.devices.base import CountingDevice
-from batchfit.devices.base import Device
-from batchfit.workload import Workload
+from typing import Any
 
 logger = logging.getLogger("batchfit")
 
 
-def uncompiled(workload: Workload, device: Device) -> Workload:
-    """``workload`` with a compiled model replaced by its original module on a counting device."""
+def uncompiled(workload: Any) -> Any:
+    """``workload`` with a compiled model replaced by its original module (``CountingDevice.prepare``)."""
     original = getattr(workload.model, "_orig_mod", None)
-    if original is None or not isinstance(device, CountingDevice):
+    if original is None:
         return workload
-    logger.info("batchfit: probing the torch.compile'd model's original module on %s (eager memory)", device.name)
+    logger.info("batchfit: probing the torch.compile'd model's original module (eager memory)")
     return dataclasses.replace(workload, model=original)

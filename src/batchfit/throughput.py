@@ -233,7 +233,7 @@ def optimal_for_workload(workload: Workload, *, device: DeviceSpec = None, max_b
     _capacity, limit = usable_bytes(dev, 0)
     if getattr(dev, "record_timeline", False):
         dev.record_timeline = False  # a per-op read of the allocator would be timed too
-    with Prober(workload, dev, steps=warmup_steps + timed_steps, limit_bytes=limit, clock=clock) as prober:
+    with Prober(dev.prepare(workload), dev, steps=warmup_steps + timed_steps, limit_bytes=limit, clock=clock) as prober:
         meter = _Meter(prober, warmup_steps, tokens_per_sample, dataset_size)
         for size in _grid(top):
             if meter.measure(size) is None:

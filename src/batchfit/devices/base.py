@@ -12,6 +12,8 @@ from typing import runtime_checkable
 
 import torch
 
+from batchfit.compiled import uncompiled
+
 
 @runtime_checkable
 class Device(Protocol):
@@ -77,7 +79,8 @@ class CountingDevice:
         self.counter.track_all(tensors)
 
     def prepare(self, workload: Any) -> Any:
-        return workload
+        """What trials run: a ``torch.compile``d model as its original module (see ``batchfit.compiled``)."""
+        return uncompiled(workload)
 
     def cleanup(self) -> None:
         gc.collect(1)

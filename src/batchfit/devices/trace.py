@@ -139,7 +139,7 @@ class TraceDevice(CountingDevice):
 
     def prepare(self, workload: Workload) -> Workload:
         """A copy of ``workload`` with fake tensors: what trials on this device run."""
-        return _FakeWorkloadBuilder(self.fake_mode).build(workload)
+        return _FakeWorkloadBuilder(self.fake_mode).build(super().prepare(workload))
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:

@@ -12,7 +12,6 @@ import torch
 from batchfit import distributed
 from batchfit.batching import bytes_per_sample
 from batchfit.batching import pad_sequences
-from batchfit.compiled import uncompiled
 from batchfit.devices.base import Device
 from batchfit.devices.resolve import resolve_device
 from batchfit.probe import Prober
@@ -145,7 +144,6 @@ def search(
     start = time.perf_counter()
     chosen = make_strategy(strategy)
     dev = resolve_device(device, workload.model)
-    workload = uncompiled(workload, dev)
     capacity, limit = usable_bytes(dev, margin)
     agreeing = distributed.active() if agree is None else agree
     if agreeing and limit is not None:
@@ -316,7 +314,7 @@ def probe_batch_size(
     )
     dev = resolve_device(device, workload.model)
     capacity, limit = usable_bytes(dev, margin)
-    workload = dev.prepare(uncompiled(workload, dev))
+    workload = dev.prepare(workload)
     with Prober(workload, dev, steps=steps, limit_bytes=limit) as prober:
         trial = prober.probe(batch_size)
     logger.info(trial.describe(capacity))
