@@ -10,6 +10,7 @@ constant) is divided out of |G|² and tr Σ; a loss that sums over the batch is 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Iterator
@@ -79,7 +80,7 @@ class _Step:
         """``(small_sq, small_batch, big_sq, big_batch)``, or ``None`` for a non-finite step (an fp16 overflow)."""
         big_sq = sum(float((total / self.samples).pow(2).sum()) for total in self.big)
         small_sq = float(self.small_sq) / self.count
-        if not (torch.isfinite(torch.tensor([big_sq, small_sq])).all()) or self.count < 2:
+        if not (math.isfinite(big_sq) and math.isfinite(small_sq)) or self.count < 2:
             return None
         return small_sq, self.count / self.inverse_sizes, big_sq, float(self.samples)
 

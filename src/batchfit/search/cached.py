@@ -71,8 +71,7 @@ class CachedSearch:
 def from_entry(entry: CacheEntry, seconds: float, cache: ResultCache) -> SearchResult:
     """A stored result: the same answer, no trials, and where it came from in ``extra["cache"]``."""
     stored = entry.result
-    chosen = [t for t in stored.get("trials", []) if t.get("batch_size") == stored["batch_size"] and t.get("fits")]
-    cached = {"hit": True, "held_bytes": chosen[0].get("held_bytes") if chosen else None, "path": str(cache.path), "key": entry.key, "created": entry.created,
+    cached = {"hit": True, "held_bytes": stored.get("held_bytes"), "path": str(cache.path), "key": entry.key, "created": entry.created,
               "trials": len(stored.get("trials", [])), "peak_bytes": stored.get("peak_bytes"),
               "seconds": stored.get("seconds")}  # fmt: skip
     extra = {k: v for k, v in stored.items() if k == "trace"}

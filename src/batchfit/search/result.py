@@ -52,14 +52,18 @@ class SearchResult:
     @property
     def peak_bytes(self) -> int | None:
         """The peak measured at the chosen batch size (for a cached result, when it was measured)."""
-        measured = next((t.peak_bytes for t in self.trials if t.batch_size == self.batch_size and t.fits), None)
-        return measured if measured is not None else self.cached.get("peak_bytes")
+        return self._at_answer("peak_bytes")
 
     @property
     def held_bytes(self) -> int | None:
         """What was held before the batch at the chosen size (parameters, buffers, optimizer state)."""
-        measured = next((t.held_bytes for t in self.trials if t.batch_size == self.batch_size and t.fits), None)
-        return measured if measured is not None else self.cached.get("held_bytes")
+        return self._at_answer("held_bytes")
+
+    def _at_answer(self, field: str) -> int | None:
+        """``field`` of the trial that fitted at the answer, else what the cache stored of it."""
+        chosen = next((t for t in self.trials if t.batch_size == self.batch_size and t.fits), None)
+        measured = getattr(chosen, field) if chosen is not None else None
+        return measured if measured is not None else self.cached.get(field)
 
     @property
     def cached(self) -> dict[str, Any]:
@@ -107,6 +111,7 @@ class SearchResult:
             "capacity_bytes": self.capacity_bytes,
             "limit_bytes": self.limit_bytes,
             "peak_bytes": self.peak_bytes,
+            "held_bytes": self.held_bytes,
             "min_batch_size": self.min_batch_size,
             "max_batch_size": self.max_batch_size,
             "seconds": self.seconds,
