@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 from torch.nn import functional as F
 
 import batchfit as bf
+from batchfit.devices.cuda import CudaDevice
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_devices import FakeCuda
 
 
 @pytest.fixture(autouse=True)
@@ -55,3 +62,61 @@ def test_timing_a_compiled_model_leaves_it_compilable_too():
     counters.clear()
     compiled(torch.randn(5, 32))
     assert counters["stats"]["unique_graphs"] >= 1
+
+
+class AllocatorDevice(CudaDevice):
+    """CudaDevice's own code on the CPU, its allocator statistics from FakeCuda: a device that reads an
+    allocator instead of counting through a dispatch mode, so the compiled model itself is probed."""
+
+    def __init__(self):
+        super().__init__(0)
+        self.torch_device = torch.device("cpu")
+
+
+EDGE = 23  # the fake GPU's allocator fails past this many rows
+
+
+def out_of_memory_past_the_edge(output, target):
+    if output.shape[0] > EDGE:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+    return F.cross_entropy(output, target)
+
+
+def search_compiled(monkeypatch, model, **options):
+    FakeCuda().patch(monkeypatch)
+    batch = (torch.randn(4, 32), torch.randint(0, 4, (4,)))
+    return bf.find_max_batch_size(model, batch, loss_fn=out_of_memory_past_the_edge, strategy="binary",
+                                  optimizer=torch.optim.Adam(model.parameters()), device=AllocatorDevice(),
+                                  max_batch_size=64, **options)  # fmt: skip
+
+
+@pytest.mark.parametrize("dynamic", [None, False])
+def test_a_compiled_model_is_probed_compiled_with_one_graph_for_every_size(monkeypatch, dynamic):
+    torch.manual_seed(0)
+    compiled = torch.compile(Net(), backend="aot_eager", dynamic=dynamic)
+    result = search_compiled(monkeypatch, compiled)
+    assert [t.batch_size for t in result.trials] == [32, 16, 24, 20, 22, 23]  # seed 000's bisection
+    assert result.batch_size == EDGE and result.exact
+    assert result.extra["compile"] == {"graphs": 1, "recompiles": 0, "sizes": 6}
+
+
+def test_without_marking_the_batch_dynamic_sizes_recompile(monkeypatch):
+    monkeypatch.setattr("batchfit.probe.mark_batch_dynamic", lambda batch: None)
+    compiled = torch.compile(Net(), backend="aot_eager", dynamic=False)
+    result = search_compiled(monkeypatch, compiled)
+    assert result.extra["compile"]["recompiles"] == 5  # one graph per size: what the marking saves
+
+
+class SpecializingNet(Net):
+    def forward(self, x):
+        rows = [x[index] for index in range(x.shape[0])]  # a Python loop over the batch: unrolled per size
+        return super().forward(torch.stack(rows))
+
+
+def test_a_model_that_specializes_on_the_size_is_reported_with_a_warning(monkeypatch, caplog):
+    compiled = torch.compile(SpecializingNet(), backend="aot_eager")
+    with caplog.at_level("WARNING", logger="batchfit"):
+        result = search_compiled(monkeypatch, compiled)
+    assert result.batch_size == EDGE
+    assert result.extra["compile"]["recompiles"] >= 2
+    assert "torch.compile recompiled" in caplog.text and "specializes" in caplog.text and "batch sizes" in caplog.text

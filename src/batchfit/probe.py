@@ -13,6 +13,9 @@ import torch
 from batchfit.batching import move_batch
 from batchfit.batching import resize_batch
 from batchfit.batching import tensor_leaves
+from batchfit.compiled import CompileWatch
+from batchfit.compiled import is_compiled
+from batchfit.compiled import mark_batch_dynamic
 from batchfit.devices.base import Device
 from batchfit.devices.oom import is_oom
 from batchfit.devices.oom import summarize_oom
@@ -83,6 +86,7 @@ class Prober:
         self._snapshot: StateSnapshot | None = None
         self._home: torch.device | None = None
         self._sample: Any = None
+        self.compile_watch: CompileWatch | None = None  # set when the model probed is a compiled one
 
     def __enter__(self) -> Prober:
         work = self.workload
@@ -100,6 +104,7 @@ class Prober:
             self.device.cleanup()
             self.baseline_bytes = self.device.live_bytes()
             self._check_capacity()
+            self.compile_watch = CompileWatch() if is_compiled(work.model) else None
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -154,6 +159,8 @@ class Prober:
         with device.measuring():
             device.reset_peak()
             batch = resize_batch(self._sample, batch_size)
+            if self.compile_watch is not None:
+                mark_batch_dynamic(batch)  # one graph for every size, not a recompile per size
             batch_bytes = sum(t.element_size() * t.numel() for t in tensor_leaves(batch) if t.dim() > 0)
             self.phase_hook("batch")
             scaler = work.make_scaler(device_type)

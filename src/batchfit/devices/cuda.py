@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from batchfit.compiled import is_compiled
+
 
 class _AllocatedTimeline(TorchDispatchMode):
     """Reads the allocator's live bytes after every op (host-side bookkeeping, no sync)."""
@@ -41,6 +43,7 @@ class CudaDevice:
         self.name = f"cuda:{self.index}"
         self.record_timeline = record_timeline
         self._timeline: list[int] = []
+        self._compiled = False
 
     def capacity_bytes(self) -> int:
         free_bytes, _total_bytes = torch.cuda.mem_get_info(self.torch_device)
@@ -57,12 +60,12 @@ class CudaDevice:
 
     def measuring(self) -> contextlib.AbstractContextManager:
         self._timeline = []
-        if not self.record_timeline:
+        if not self.record_timeline or self._compiled:
             return contextlib.nullcontext()
         return _AllocatedTimeline(self.torch_device, self._timeline)
 
     def timeline(self) -> list[int] | None:
-        return self._timeline if self.record_timeline else None
+        return self._timeline if self.record_timeline and not self._compiled else None
 
     def exact_timeline(self) -> None:
         return None  # the allocator reports rounded blocks only
@@ -71,6 +74,9 @@ class CudaDevice:
         return None  # the allocator already counts every tensor on the device
 
     def prepare(self, workload: Any) -> Any:
+        """A compiled model is probed compiled, so without the per-op timeline: dynamo would skip
+        a model called under its dispatch mode for good (see ``batchfit.compiled``)."""
+        self._compiled = is_compiled(workload.model)
         return workload
 
     def cleanup(self) -> None:

@@ -12,6 +12,8 @@ import torch
 from batchfit import distributed
 from batchfit.batching import bytes_per_sample
 from batchfit.batching import pad_sequences
+from batchfit.compiled import CompileWatch
+from batchfit.compiled import recompile_warning
 from batchfit.devices.base import Device
 from batchfit.devices.resolve import resolve_device
 from batchfit.probe import Prober
@@ -185,6 +187,9 @@ def search(
             logger.log(logging.DEBUG if quiet else logging.INFO, trial.describe(capacity))
             if on_trial is not None:
                 on_trial(trial)
+        extra: dict[str, Any] = {"trace": traced} if traced is not None else {}
+        if prober.compile_watch is not None:
+            extra["compile"] = _compile_report(prober.compile_watch, trials)
     lo, hi = bracket(trials, space)
     if lo < min_batch_size:
         raise _nothing_fits(trials, dev, limit, min_batch_size)
@@ -200,11 +205,20 @@ def search(
         exact=hi - lo == 1,
         seconds=time.perf_counter() - start,
         workload=workload.name,
-        extra={"trace": traced} if traced is not None else {},
+        extra=extra,
     )
     if cached is not None:
         cached.store(result)
     return result
+
+
+def _compile_report(watch: CompileWatch, trials: list[Trial]) -> dict[str, int]:
+    """Graphs dynamo compiled for the trials of a compiled model; a warning when sizes recompiled."""
+    report = watch.report(sizes=len(trials))
+    warning = recompile_warning(report)
+    if warning is not None:
+        logger.warning("batchfit: %s", warning)
+    return report
 
 
 def _place_in_cache(cache: CacheSpec, agreeing: bool, workload: Workload, device: Device,
