@@ -120,3 +120,19 @@ def test_a_model_that_specializes_on_the_size_is_reported_with_a_warning(monkeyp
     assert result.batch_size == EDGE
     assert result.extra["compile"]["recompiles"] >= 2
     assert "torch.compile recompiled" in caplog.text and "specializes" in caplog.text and "batch sizes" in caplog.text
+
+
+def test_the_microbatcher_trains_a_compiled_model_on_the_simulated_device_and_leaves_it_compilable():
+    torch.manual_seed(0)
+    model = Net()
+    compiled = torch.compile(model, backend="eager")
+    batcher = bf.Microbatcher(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), loss_fn=F.cross_entropy,
+                              device=bf.SimulatedDevice("256KiB"), micro_batch_size=512)  # fmt: skip
+    batch = (torch.randn(512, 32), torch.randint(0, 4, (512,)))
+    before = model.first.weight.clone()
+    batcher.step(batch)
+    assert batcher.history[-1].ooms >= 1 and batcher.micro_batch_size < 512  # it shrank under the capacity
+    assert not torch.equal(before, model.first.weight)  # and the step updated the shared parameters
+    counters.clear()
+    compiled(torch.randn(5, 32))
+    assert counters["stats"]["unique_graphs"] >= 1  # dynamo still compiles the user's model afterwards

@@ -39,6 +39,12 @@ def uncompiled(workload: Any) -> Any:
     return dataclasses.replace(workload, model=workload.model._orig_mod)
 
 
+def runnable(model: Any, device: Any) -> Any:
+    """What to call on ``device``: a compiled model's original module where bytes are counted
+    through a dispatch mode (a simulated device), else ``model`` itself."""
+    return model._orig_mod if getattr(device, "simulated", False) and is_compiled(model) else model
+
+
 def mark_batch_dynamic(batch: Any) -> None:
     """Mark dimension 0 of every tensor in ``batch`` dynamic, so a new batch size is no new graph."""
     for tensor in tensor_leaves(batch):

@@ -17,6 +17,7 @@ from batchfit import distributed
 from batchfit.accumulate import backward_micro_batches
 from batchfit.batching import batch_length
 from batchfit.batching import slice_batch
+from batchfit.compiled import runnable
 from batchfit.devices.oom import is_oom
 from batchfit.devices.resolve import resolve_device
 from batchfit.noise import NoiseScaleEstimator
@@ -189,7 +190,7 @@ class Microbatcher:
         self._watcher = GradientWatcher(self.model, self.scaler) if self.noise is not None else None
         watch = self._watcher.after if self._watcher is not None else None
         try:
-            return backward_micro_batches(self.model, pieces, [self.sample_weight(piece) for piece in pieces],
+            return backward_micro_batches(runnable(self.model, self.device), pieces, [self.sample_weight(piece) for piece in pieces],
                                           loss_fn=self.loss_fn, step_fn=self.step_fn, scaler=self.scaler,
                                           sync_last=not local_only, after_each=watch)  # fmt: skip
         except BaseException as error:
@@ -368,7 +369,7 @@ class EvalMicrobatcher:
         try:
             with accounting, torch.no_grad():
                 return [
-                    self.forward_fn(self.model, slice_batch(batch, start, start + size))
+                    self.forward_fn(runnable(self.model, self.device), slice_batch(batch, start, start + size))
                     for start in range(0, batch_length(batch), size)
                 ]
         finally:
