@@ -2,7 +2,7 @@
 
 import importlib.util
 
-OPTIONAL = {"lightning.py": "lightning", "transformers.py": "transformers", "mlx.py": "mlx"}
+OPTIONAL = {"lightning.py": "lightning", "transformers.py": "transformers", "mlx": "mlx"}
 
 collect_ignore = [
     f"src/batchfit/integrations/{module}"

@@ -38,7 +38,7 @@ def main() -> None:
     callback = BatchFit(global_batch_size=3000, device=bf.SimulatedDevice(CAPACITIES[rank]))
     fitter.callbacks.append(callback)
     fitter.fit(module)
-    report = {"batch_size": callback.result.batch_size, "largest": callback.result.search.batch_size, "accumulate": fitter.accumulate_grad_batches,
+    report = {"batch_size": callback.result.batch_size, "largest": (callback.result.one_step or callback.result.search).batch_size, "accumulate": fitter.accumulate_grad_batches,
               "rows_seen": module.rows_seen, "rank0_alone": alone(CAPACITIES[0]), "rank1_alone": alone(CAPACITIES[1])}  # fmt: skip
     Path(f"{out}.{rank}").write_text(json.dumps(report))
 

@@ -76,10 +76,31 @@ def test_a_global_batch_is_kept_by_accumulation_and_lightning_uses_it():
     assert result.batch_size * result.accumulate_grad_batches == 3000 == result.global_batch_size
     assert result.batch_size <= result.search.batch_size and result.accumulate_grad_batches > 1
     assert fitter.accumulate_grad_batches == result.accumulate_grad_batches
-    assert len(module.rows_seen) == 2 * len(result.search.trials)  # only the probe's steps: fit stopped
+    probed = len(result.search.trials) + len(result.one_step.trials)  # a plain step's search, then a held one
+    assert len(module.rows_seen) == 2 * probed  # only the probe's steps: fit stopped
     module.rows_seen.clear()
     fitter.fit(module)
     assert module.rows_seen == [result.batch_size] * (2 * result.accumulate_grad_batches)
+
+
+def test_with_accumulation_the_micro_batch_is_measured_with_the_gradients_alive():
+    margin = "8KiB"  # room for Lightning's own small tensors (2 KiB), not for the gradients (43 KiB)
+    module = Classifier()
+    result = fit_batch_size(
+        trainer(), module, global_batch_size=4000, margin=margin, device=bf.SimulatedDevice(CAPACITY)
+    )
+    assert result.one_step is not None and result.search.batch_size < result.one_step.batch_size
+    assert result.global_batch_size == 4000
+    module.rows_seen.clear()
+    fitter = trainer(max_steps=2, accumulate_grad_batches=result.accumulate_grad_batches)  # 2: with Adam's state
+    train_within(bf.SimulatedDevice(CAPACITY), lambda: fitter.fit(module), module)
+    assert module.rows_seen == [result.batch_size] * 2 * result.accumulate_grad_batches  # two whole windows fitted
+    module.hparams.batch_size, module.rows_seen = result.one_step.batch_size, []
+    with pytest.raises(torch.OutOfMemoryError):  # the plain step's answer does not, once gradients are held
+        train_within(
+            bf.SimulatedDevice(CAPACITY), lambda: trainer(max_steps=2, accumulate_grad_batches=2).fit(module), module
+        )
+    assert module.rows_seen == [result.one_step.batch_size] * 4  # it failed in the second window's backward
 
 
 def test_the_datamodule_gets_the_size_and_the_state_is_restored():

@@ -110,6 +110,7 @@ def fingerprint_fields(workload: Workload, device: Device, settings: Mapping[str
         "optimizer": optimizer_fields(workload.optimizer),
         "amp_dtype": str(workload.amp_dtype),
         "mode": workload.mode,
+        "accumulating": getattr(workload, "accumulating", False),
         "max_new_tokens": workload.max_new_tokens if workload.mode == "generate" else None,
         "device": device_fields(device),
         "settings": dict(settings),

@@ -16,6 +16,11 @@ from batchfit.batching import tensor_leaves
 MODES = ("train", "eval", "generate")
 AMP_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
+_CALL_HELP = {
+    "loss_fn": "pass loss_fn(output, targets) -> scalar tensor, e.g. torch.nn.functional.cross_entropy",
+    "step_fn": "pass step_fn(model, batch) -> scalar loss tensor",
+}
+
 LossFn = Callable[[Any, Any], torch.Tensor]
 StepFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -53,6 +58,9 @@ class Workload:
     ``torch.no_grad()``, so the KV cache is in the probe (seed 002): ``step_fn(model, batch)`` if
     given (e.g. ``lambda m, b: m.generate(**b, max_new_tokens=64)``), else ``model.generate(inputs,
     max_new_tokens=max_new_tokens)`` (a mapping batch is passed as keywords, without ``labels``).
+    ``accumulating=True`` runs each step as a later micro-batch of a gradient-accumulation window:
+    the gradients exist (as zeros) before the forward, so their memory is held through forward and
+    backward, as in training with ``gradient_accumulation_steps > 1``.
 
     >>> model = torch.nn.Linear(4, 2)
     >>> work = Workload(model, (torch.randn(8, 4), torch.randint(0, 2, (8,))),
@@ -71,6 +79,7 @@ class Workload:
     step_fn: StepFn | None = None
     name: str | None = None
     max_new_tokens: int = 16
+    accumulating: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
@@ -83,10 +92,17 @@ class Workload:
             _check_generation(self)
         if self.mode == "train" and not any(p.requires_grad for p in self.model.parameters()):
             raise ValueError("the model has no parameters that require grad, so it cannot train: use mode='eval'")
+        for name in ("loss_fn", "step_fn"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise TypeError(f"{name} must be a function, got {getattr(self, name)!r}: {_CALL_HELP[name]}")
         if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
             if not callable(self.optimizer):
                 raise TypeError("optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer")
-            self.optimizer = self.optimizer(self.model.parameters())
+            made = self.optimizer(self.model.parameters())
+            if not isinstance(made, torch.optim.Optimizer):
+                raise TypeError(f"the optimizer factory returned {type(made).__name__}, not a torch.optim.Optimizer: "
+                                "return one, e.g. lambda params: torch.optim.AdamW(params)")  # fmt: skip
+            self.optimizer = made
         if self.optimizer is not None:
             _check_optimizer(self.optimizer, self.model)
         self.name = self.name or type(self.model).__name__
@@ -116,6 +132,8 @@ class Workload:
     def train_step(self, batch: Any, device_type: str, scaler: Any, mark: PhaseMark) -> None:
         """One full step, marking each phase's end: forward and loss (``mark("forward")``),
         backward (``mark("backward")``), optimizer step and ``zero_grad`` (``mark("optimizer")``)."""
+        if self.accumulating:
+            hold_gradients(self.model)
         with _autocast(device_type, self.amp_dtype):
             loss = self._forward(batch)
         _check_loss(loss)
@@ -163,6 +181,14 @@ class Workload:
             return torch.amp.GradScaler(device_type)
         except (RuntimeError, ValueError):  # device type without a GradScaler
             return None
+
+
+def hold_gradients(model: torch.nn.Module) -> None:
+    """Give every trainable parameter without a gradient a zero one, as an accumulation window's
+    earlier micro-batches would have left it."""
+    for param in model.parameters():
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)
 
 
 def _check_generation(workload: Workload) -> None:

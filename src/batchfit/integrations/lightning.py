@@ -13,10 +13,10 @@ every trial, ranks under DDP agree on one size, and a requested global batch is 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,15 +44,21 @@ PRECISION_AMP = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 LOOP_HEADROOM = "2MiB"
 
 
-@dataclass
+@dataclasses.dataclass
 class BatchFitResult:
-    """What ``BatchFit`` set: the micro-batch per device, the accumulation, and how it was found."""
+    """What ``BatchFit`` set: the micro-batch per device, the accumulation, and how it was found.
+
+    ``search`` found the micro-batch the plan used. With accumulation it measured a window's later
+    micro-batch, whose forward runs with the gradients alive, and ``one_step`` holds the search of
+    a plain step, whose answer is larger.
+    """
 
     batch_size: int
     accumulate_grad_batches: int
     world_size: int
     search: SearchResult
     plan: BatchPlan | None = None
+    one_step: SearchResult | None = None
 
     @property
     def global_batch_size(self) -> int:
@@ -115,9 +121,13 @@ class BatchFit(pl.Callback):
                 "add it there, or pass BatchFit(batch_arg_name=...) naming the one your train_dataloader() reads"
             )
         loader = train_dataloader(trainer, pl_module)
-        found = search(lightning_workload(trainer, pl_module, next(iter(loader))),
-                       **{**self.options, "max_batch_size": self._upper_limit(loader, trainer.world_size)})  # fmt: skip
+        workload = lightning_workload(trainer, pl_module, next(iter(loader)))
+        found = search(workload, **{**self.options, "max_batch_size": self._upper_limit(loader, trainer.world_size)})
         result = self._settle(found, trainer.world_size)
+        if result.accumulate_grad_batches > 1:  # later micro-batches of a window run with the gradients alive
+            held = search(dataclasses.replace(workload, accumulating=True),
+                          **{**self.options, "max_batch_size": found.batch_size})  # fmt: skip
+            result = dataclasses.replace(self._settle(held, trainer.world_size), one_step=found)
         lightning_setattr(pl_module, self.batch_arg_name, result.batch_size)
         trainer.accumulate_grad_batches = result.accumulate_grad_batches
         _reload_train_data(trainer)

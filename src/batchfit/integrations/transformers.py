@@ -1,0 +1,422 @@
+"""Hugging Face Transformers: fit a ``Trainer``'s batch sizes and keep its global batch.
+
+transformers' ``auto_find_batch_size`` halves ``per_device_train_batch_size`` after an OOM, which
+changes the global batch (per-device x accumulation x world size) silently, and never tunes
+evaluation. Here the largest per-device micro-batch is measured on the Trainer's own step (its
+``compute_loss``, ``create_optimizer`` and AMP), ``plan_batch`` splits the global batch into
+micro-batch x accumulation x devices, and an eval-mode search sets the eval batch size.
+
+>>> from batchfit.integrations.transformers import fit_trainer
+>>> fit = fit_trainer(trainer, global_batch_size=256)   # doctest: +SKIP
+>>> trainer.train()   # logs the plan when training begins   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import warnings
+from collections.abc import Iterator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+try:
+    from accelerate.utils import convert_outputs_to_fp32
+    from transformers import Trainer
+    from transformers import TrainerCallback
+    from transformers import TrainingArguments
+except ImportError as error:  # pragma: no cover - exercised only where transformers is missing
+    raise ImportError(
+        "batchfit's Transformers integration needs transformers and accelerate: pip install 'batchfit[transformers]'"
+    ) from error
+
+from batchfit.batching import pad_sequences
+from batchfit.plan import BatchPlan
+from batchfit.plan import plan_batch
+from batchfit.search.result import SearchResult
+from batchfit.search.runner import DeviceSpec
+from batchfit.search.runner import search
+from batchfit.state import StateSnapshot
+from batchfit.state import _restore_rng
+from batchfit.state import _save_rng
+from batchfit.workload import Workload
+
+__all__ = ["BatchFitCallback", "TrainerFit", "data_parallel_size", "fit_trainer", "fit_training_args",
+           "train_workload", "training_amp_dtype"]  # fmt: skip
+
+logger = logging.getLogger("batchfit")
+
+SETTINGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size")
+
+
+@dataclasses.dataclass
+class TrainerFit:
+    """What ``fit_trainer`` found and set on ``TrainingArguments``.
+
+    ``plan`` splits the global batch. ``train_search`` found the micro-batch the plan may use:
+    it is ``one_step_search`` when a device's share of the global batch fits at once, else a search
+    of an accumulation micro-step (the window's gradients alive during the forward pass), which is
+    smaller. ``eval_search`` (``None`` without an eval dataset) found the eval batch; ``previous``
+    holds the three settings as they were.
+    """
+
+    plan: BatchPlan
+    train_search: SearchResult
+    one_step_search: SearchResult
+    eval_search: SearchResult | None
+    previous: dict[str, int]
+
+    @property
+    def per_device_train_batch_size(self) -> int:
+        return self.plan.micro_batch_size
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.plan.gradient_accumulation_steps
+
+    @property
+    def per_device_eval_batch_size(self) -> int | None:
+        return None if self.eval_search is None else self.eval_search.batch_size
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel devices (see ``data_parallel_size``)."""
+        return self.plan.devices
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over all devices: per-device x accumulation x world size."""
+        return self.plan.global_batch_size
+
+    def settings(self) -> dict[str, int]:
+        """The ``TrainingArguments`` fields the fit sets (the eval one only when it was searched)."""
+        return {name: getattr(self, name) for name in SETTINGS if getattr(self, name) is not None}
+
+    def differences(self, args: TrainingArguments) -> dict[str, tuple[int, int]]:
+        """``{field: (planned, actual)}`` for each setting ``args`` no longer matches."""
+        return {name: (value, getattr(args, name)) for name, value in self.settings().items() if getattr(args, name) != value}  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the settings, the global batch, the previous settings, the plan and the searches."""
+        searches = {"train_search": self.train_search, "one_step_search": self.one_step_search,
+                    "eval_search": self.eval_search}  # fmt: skip
+        return {**self.settings(), "world_size": self.world_size, "global_batch_size": self.global_batch_size,
+                "previous": dict(self.previous), "plan": self.plan.to_dict(),
+                **{name: _summary(result) for name, result in searches.items()}}  # fmt: skip
+
+
+def _summary(result: SearchResult | None) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    return {"batch_size": result.batch_size, "trials": len(result.trials), "device": result.device,
+            "peak_bytes": result.peak_bytes, "capacity_bytes": result.capacity_bytes, "seconds": result.seconds}  # fmt: skip
+
+
+# -- the Trainer's step as a Workload --------------------------------------------------------------
+
+
+def training_amp_dtype(args: TrainingArguments) -> torch.dtype | None:
+    """The autocast dtype the Trainer trains with: ``bf16`` -> bfloat16, ``fp16`` -> float16, else None.
+
+    >>> training_amp_dtype(TrainingArguments(output_dir="out", bf16=True, use_cpu=True))
+    torch.bfloat16
+    """
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    return torch.float16 if getattr(args, "fp16", False) else None
+
+
+def data_parallel_size(trainer: Trainer) -> int:
+    """Micro-batches one optimizer step sums, as in ``Trainer.get_total_train_batch_size``: processes
+    (a tensor/context/sequence-parallel group counts once) x DataParallel GPUs."""
+    processes = trainer.args.world_size
+    for parallel in ("get_tp_size", "get_cp_size", "get_sp_size"):
+        if hasattr(trainer, parallel):
+            processes //= getattr(trainer, parallel)()
+    return max(1, processes) * max(1, trainer.args.n_gpu)
+
+
+def _first_batch(loader: Any, what: str) -> Any:
+    """One collated batch; the iterator is closed and an accelerate loader told it ended (else it
+    stays registered as the active loader in accelerate's gradient state)."""
+    iterator = iter(loader)
+    try:
+        return next(iterator)
+    except StopIteration:
+        raise ValueError(f"the {what} dataloader yields no batch: give the Trainer a non-empty {what} dataset") from None  # fmt: skip
+    finally:
+        for cleanup in (getattr(iterator, "close", None), getattr(loader, "end", None)):
+            if callable(cleanup):
+                cleanup()
+
+
+@contextlib.contextmanager
+def _outputs_in_fp32(trainer: Trainer, model: torch.nn.Module) -> Iterator[None]:
+    """The forward as the Trainer runs it under native AMP: accelerate's ``prepare_model`` makes the
+    outputs' half-precision tensors (the logits) fp32 copies."""
+    if not getattr(trainer.accelerator, "native_amp", False) or "forward" in model.__dict__:  # no AMP, or prepared
+        yield
+        return
+    model.forward = convert_outputs_to_fp32(model.forward)
+    try:
+        yield
+    finally:
+        del model.forward
+
+
+def _loss_step(trainer: Trainer):
+    """The loss as ``Trainer.training_step`` computes it (train mode, ``compute_loss``)."""
+
+    def step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        model.train()
+        with _outputs_in_fp32(trainer, model), trainer.compute_loss_context_manager():
+            return trainer.compute_loss(model, dict(batch))  # a copy: compute_loss may pop "labels"
+
+    return step
+
+
+def _eval_step(trainer: Trainer):
+    """An eval forward as ``Trainer.prediction_step`` runs it: loss and outputs when labels are given."""
+
+    def step(model: torch.nn.Module, batch: Any) -> Any:
+        inputs = dict(batch)
+        labelled = bool(trainer.label_names) and all(inputs.get(name) is not None for name in trainer.label_names)
+        with _outputs_in_fp32(trainer, model), trainer.compute_loss_context_manager():
+            return trainer.compute_loss(model, inputs, return_outputs=True) if labelled else model(**inputs)
+
+    return step
+
+
+def train_workload(trainer: Trainer, *, longest_seq_len: int | None = None) -> Workload:
+    """The Trainer's train step as a batchfit ``Workload`` (for ``search``, ``estimate_memory``,
+    ``find_optimal_batch_size``): its model, a batch from ``get_train_dataloader()``, its optimizer
+    (``trainer.optimizer``, else the one ``create_optimizer()`` builds, taken off the trainer
+    again), its ``compute_loss`` and AMP dtype.
+
+    >>> batchfit.search(train_workload(trainer), device="sim:16GiB").batch_size   # doctest: +SKIP
+    48
+    """
+    batch = _first_batch(trainer.get_train_dataloader(), "train")
+    if longest_seq_len is not None:
+        batch = pad_sequences(batch, longest_seq_len)
+    optimizer = trainer.optimizer
+    if optimizer is None:
+        optimizer = trainer.create_optimizer()  # what train() builds: subclasses, decay groups, args.optim
+        trainer.optimizer = None
+    return Workload(trainer.model, batch, optimizer=optimizer, amp_dtype=training_amp_dtype(trainer.args),
+                    step_fn=_loss_step(trainer), name=type(trainer.model).__name__)  # fmt: skip
+
+
+def _eval_workload(trainer: Trainer, name: str | None, optimizer: torch.optim.Optimizer,
+                   longest_seq_len: int | None) -> Workload:  # fmt: skip
+    batch = _first_batch(trainer.get_eval_dataloader(name), "eval")
+    if longest_seq_len is not None:
+        batch = pad_sequences(batch, longest_seq_len)
+    return Workload(trainer.model, batch, optimizer=optimizer, amp_dtype=training_amp_dtype(trainer.args),
+                    mode="eval", step_fn=_eval_step(trainer), name=type(trainer.model).__name__)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _optimizer_state_made(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, ``optimizer`` holds the state it has in training (one step on zero gradients makes
+    it): evaluation during and after ``train()`` runs with it alive. Afterwards the model, the
+    optimizer and the RNG states are as before, bitwise."""
+    snapshot = StateSnapshot.take(model, optimizer)
+    try:
+        for param in model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        yield
+    finally:
+        snapshot.restore()
+
+
+# -- the fit ---------------------------------------------------------------------------------------
+
+
+def _check(trainer: Any, global_batch_size: Any, max_batch_size: Any) -> None:
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"fit_trainer needs a transformers.Trainer, got {type(trainer).__name__}: "
+                        "for a model, TrainingArguments and a dataset use fit_training_args")  # fmt: skip
+    for name, value, meaning in (("global_batch_size", global_batch_size, "samples per optimizer step over all devices, or None to keep the trainer's"),
+                                 ("max_batch_size", max_batch_size, "the largest per-device batch to try, or None")):  # fmt: skip
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive integer ({meaning}), got {value!r}")
+    if trainer.train_dataset is None:
+        raise ValueError("the trainer has no train_dataset to take a batch from: pass Trainer(train_dataset=...)")
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise NotImplementedError("DeepSpeed fixes the batch sizes in its config when the Trainer is built: set "
+                                  "train_micro_batch_size_per_gpu and gradient_accumulation_steps there from batchfit.plan_batch")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _trainer_left_as_found(trainer: Trainer) -> Iterator[None]:
+    """Put back what probing touches besides the model (the Prober restores that): the RNG states
+    a sampler draws from, ``trainer.optimizer``, and loaders cached for persistent workers."""
+    rng, optimizer, cached = _save_rng(), trainer.optimizer, trainer.__dict__.get("_eval_dataloaders")
+    saved = dict(cached) if cached is not None else None
+    try:
+        yield
+    finally:
+        _restore_rng(rng)
+        trainer.optimizer = optimizer
+        trainer.__dict__.pop("_eval_dataloaders", None)
+        if saved is not None:
+            trainer._eval_dataloaders = saved
+
+
+def _train_searches(train: Workload, ceiling: int, share: int,
+                    options: dict[str, Any]) -> tuple[SearchResult, SearchResult]:  # fmt: skip
+    """The micro-batch search the plan uses and the one-step search: the same when the device's
+    share of the global batch fits at once, else the first measures an accumulation micro-step."""
+    one_step = search(train, max_batch_size=ceiling, **options)
+    if one_step.batch_size >= share:
+        return one_step, one_step
+    accumulating = dataclasses.replace(train, accumulating=True)  # the window's gradients alive in the forward
+    return search(accumulating, max_batch_size=one_step.batch_size, **options), one_step
+
+
+def _eval_search(trainer: Trainer, optimizer: torch.optim.Optimizer, devices: int, max_batch_size: int | None,
+                 longest_seq_len: int | None, options: dict[str, Any]) -> SearchResult:  # fmt: skip
+    """The eval-mode search (of each eval dataset of a dict: the smallest answer), with the
+    optimizer's training state held; no larger than a device's share of the eval set."""
+    names = list(trainer.eval_dataset) if isinstance(trainer.eval_dataset, Mapping) else [None]
+    results = []
+    with _optimizer_state_made(trainer.model, optimizer):
+        for name in names:
+            dataset = trainer.eval_dataset if name is None else trainer.eval_dataset[name]
+            rows = math.ceil(len(dataset) / devices) if hasattr(dataset, "__len__") else None
+            limits = [limit for limit in (rows, max_batch_size) if limit is not None]
+            workload = _eval_workload(trainer, name, optimizer, longest_seq_len)
+            results.append(search(workload, max_batch_size=min(limits) if limits else None, **options))
+    return min(results, key=lambda result: result.batch_size)
+
+
+def _planned(found: SearchResult, target: int, devices: int, allow_inexact: bool) -> BatchPlan:
+    plan = plan_batch(micro_batch_size=found.batch_size, global_batch_size=target, devices=devices)
+    if plan.exact:
+        return plan
+    message = (f"a global batch of {target} cannot be split exactly into micro-batches of at most {found.batch_size} "
+               f"on {devices} device(s): the closest is {plan.global_batch_size} ({plan.micro_batch_size} x "
+               f"{plan.gradient_accumulation_steps} x {devices})")  # fmt: skip
+    if not allow_inexact:
+        raise ValueError(f"{message}; choose a global batch with a divisor near {found.batch_size} per device, or pass allow_inexact=True")  # fmt: skip
+    warnings.warn(message, stacklevel=3)
+    return plan
+
+
+def _apply(trainer: Trainer, fit: TrainerFit) -> None:
+    """``fit``'s settings on ``trainer.args`` (plain assignment, as transformers does itself) and on
+    what the Trainer cached from them: ``_train_batch_size``, eval loaders of persistent workers."""
+    args = trainer.args
+    for name, value in fit.settings().items():
+        setattr(args, name, value)
+    if hasattr(trainer, "_train_batch_size"):
+        trainer._train_batch_size = args.train_batch_size  # get_train_dataloader reads it; __init__ cached it
+    trainer.__dict__.pop("_eval_dataloaders", None)
+    if args.auto_find_batch_size:
+        logger.warning("batchfit: auto_find_batch_size=True halves per_device_train_batch_size after an OOM "
+                       "without raising gradient_accumulation_steps, which changes the global batch: set it to False")  # fmt: skip
+
+
+def fit_trainer(trainer: Trainer, *, global_batch_size: int | None = None, device: DeviceSpec = None,
+                margin: int | float | str = 0, max_batch_size: int | None = None, longest_seq_len: int | None = None,
+                fit_eval: bool = True, allow_inexact: bool = False, log_plan: bool = True,
+                **search_options: Any) -> TrainerFit:  # fmt: skip
+    """Set ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` from the largest
+    per-device micro-batch that fits, keeping the global batch, and ``per_device_eval_batch_size``
+    from an eval-mode search.
+
+    ``global_batch_size`` defaults to the trainer's (per-device x accumulation x data-parallel
+    size), so it is kept; one that cannot be split exactly is a ``ValueError`` unless
+    ``allow_inexact=True`` (then a warning). Trials run the Trainer's own step; when the global
+    batch needs accumulation, the micro-batch is measured with the window's gradients alive, as
+    the Trainer runs it. The window's other micro-batches, which the Trainer keeps on the device,
+    are not measured (small for tokens; a ``margin`` covers large inputs such as images). The eval
+    search holds the optimizer's training state and measures one forward pass (predictions kept
+    on the device for ``compute_metrics`` are not in it: ``eval_accumulation_steps`` moves them).
+    The train search stops at a device's share of the global batch, the eval search at its share
+    of the eval set; ``max_batch_size`` lowers both. ``device``, ``margin`` and ``search_options``
+    (``strategy``, ``steps``, ``trace``, ...) are ``batchfit.search``'s; ``longest_seq_len`` pads
+    the sample to the longest sequence of the run. Ranks of a process group agree on one size.
+    The model, optimizer state, RNG states and ``trainer.optimizer`` are left as they were; the
+    learning rate is not changed. ``log_plan`` adds a ``BatchFitCallback`` (replacing an earlier one).
+
+    >>> fit = fit_trainer(trainer, global_batch_size=256, device=batchfit.SimulatedDevice("16GiB"))   # doctest: +SKIP
+    >>> fit.per_device_train_batch_size * fit.gradient_accumulation_steps * fit.world_size   # doctest: +SKIP
+    256
+    """
+    _check(trainer, global_batch_size, max_batch_size)
+    devices = data_parallel_size(trainer)
+    args = trainer.args
+    target = global_batch_size or args.per_device_train_batch_size * args.gradient_accumulation_steps * devices
+    share, options = math.ceil(target / devices), {"device": device, "margin": margin, **search_options}
+    with _trainer_left_as_found(trainer):
+        train = train_workload(trainer, longest_seq_len=longest_seq_len)
+        found, one_step = _train_searches(train, min(share, max_batch_size or share), share, options)
+        evaluated = None
+        if fit_eval and trainer.eval_dataset is not None:
+            evaluated = _eval_search(trainer, train.optimizer, devices, max_batch_size, longest_seq_len, options)
+    plan = _planned(found, target, devices, allow_inexact)
+    fit = TrainerFit(plan, found, one_step, evaluated, previous={name: getattr(args, name) for name in SETTINGS})
+    _apply(trainer, fit)
+    logger.info("batchfit: %s (was %s)", fit.settings(), fit.previous)
+    if log_plan:  # one callback, for the latest fit
+        for earlier in [c for c in trainer.callback_handler.callbacks if isinstance(c, BatchFitCallback)]:
+            trainer.remove_callback(earlier)
+        trainer.add_callback(BatchFitCallback(fit))
+    return fit
+
+
+def fit_training_args(model: torch.nn.Module, args: TrainingArguments, train_dataset: Any, *, eval_dataset: Any = None,
+                      data_collator: Any = None, processing_class: Any = None, **fit_options: Any) -> TrainerFit:  # fmt: skip
+    """``fit_trainer`` for a model, ``TrainingArguments`` and datasets, without a Trainer of your
+    own: one is built (the seeding it does is undone), fitted and dropped; ``args`` is changed in
+    place. Pass ``callbacks=[BatchFitCallback(fit)]`` to your Trainer to log the fit.
+
+    >>> fit = fit_training_args(model, args, train_dataset, global_batch_size=64)   # doctest: +SKIP
+    >>> Trainer(model=model, args=args, train_dataset=train_dataset).train()   # doctest: +SKIP
+    """
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
+    rng = _save_rng()
+    try:
+        trainer = Trainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                          data_collator=data_collator, processing_class=processing_class)  # fmt: skip
+    finally:
+        _restore_rng(rng)
+    return fit_trainer(trainer, **{"log_plan": False, **fit_options})
+
+
+class BatchFitCallback(TrainerCallback):
+    """Logs a ``TrainerFit`` when training begins: a line on the ``batchfit`` logger and an entry
+    ``{"batchfit": fit.to_dict(), "step": ...}`` in ``state.log_history`` (saved in checkpoints'
+    ``trainer_state.json``); warns when the arguments no longer match the fit.
+
+    >>> trainer.add_callback(BatchFitCallback(fit_trainer(trainer, log_plan=False)))   # doctest: +SKIP
+    """
+
+    def __init__(self, fit: TrainerFit) -> None:
+        if not isinstance(fit, TrainerFit):
+            raise TypeError(f"BatchFitCallback needs the TrainerFit that fit_trainer returns, got {type(fit).__name__}: "
+                            "fit_trainer(trainer) adds one itself")  # fmt: skip
+        self.fit = fit
+        self.logged: dict[str, Any] | None = None
+
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        for name, (planned, actual) in self.fit.differences(args).items():
+            logger.warning("batchfit: %s is %s, but the fit set %s: it was changed after the fit", name, actual, planned)  # fmt: skip
+        record = self.fit.to_dict()
+        logger.info("batchfit: training with %s", json.dumps(record["plan"]["batch_configuration"]))
+        for warning in self.fit.plan.warnings:
+            logger.info("batchfit: %s", warning)
+        if state.is_world_process_zero:
+            state.log_history.append({"batchfit": record, "step": state.global_step})
+        self.logged = record
