@@ -160,6 +160,14 @@ def test_auto_steps_down_from_a_guess_that_was_too_high():
     assert answer == 300 and len(sizes) <= 5
 
 
+def test_auto_measures_the_minimum_when_a_guess_is_far_too_high():
+    space = SearchSpace(1, 10_000, limit_bytes=1_000_000)
+    peak = linear_peak(100_000, 3_000)
+    sizes, answer = run_strategy(Auto(guess=2400), space, lambda b: peak(b) <= 1_000_000, peak, held_bytes=100_000)
+    assert sizes == [2400, 2280, 1, 300, 301]  # 8x too high: one step down, then the model aims from the minimum
+    assert answer == 300
+
+
 def test_auto_climbs_from_a_guess_that_was_too_low():
     space = SearchSpace(1, 10_000, limit_bytes=1_000_000)
     peak = linear_peak(100_000, 3_000)
@@ -177,3 +185,12 @@ def test_auto_finds_the_true_edge_from_any_guess(problem, guess):
         Auto(guess=guess), SearchSpace(low, high, limit), below(edge), linear_peak(base, per_sample)
     )
     assert answer == (min(edge, high) if edge >= low else None)
+
+
+def test_a_failed_guess_does_not_use_up_the_trials_before_bisection():
+    space = SearchSpace(1, 10_000, limit_bytes=1_000_000)
+    peak = linear_peak(100_000, 3_000)
+    sizes, answer = run_strategy(Auto(guess=2400, bisect_after=4), space, lambda b: peak(b) <= 1_000_000, peak,
+                                 held_bytes=100_000)  # fmt: skip
+    assert sizes == [2400, 2280, 1, 300, 301]  # 5 trials, past bisect_after=4, yet the model still aims
+    assert answer == 300

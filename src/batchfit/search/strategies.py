@@ -129,9 +129,10 @@ def _failures_at_end(trials: Sequence[Trial]) -> int:
 class Auto:
     """The default. Probe ``min_batch_size`` (or ``guess``, an estimate such as the trace's),
     fit peak bytes against batch size (see ``MemoryModel``), jump to the predicted edge, verify
-    it fits and that one more does not; refine with every new point. After a miss above the
-    edge it steps down geometrically from the failure; past ``bisect_after`` trials, or with no
-    capacity to aim at, it falls back to bisection.
+    it fits and that one more does not; refine with every new point. A guess that fails is tried
+    5% lower once, then the minimum is measured so the model can aim. After a miss above the edge
+    it steps down geometrically from the failure; past ``bisect_after`` trials since the first
+    fit, or with no capacity to aim at, it falls back to bisection.
     """
 
     name = "auto"
@@ -153,7 +154,8 @@ class Auto:
             return lo + 1  # the estimate fitted: confirm the edge before anything else
         model = MemoryModel.fit(trials)
         edge = None if model is None or space.limit_bytes is None else model.max_batch_size(space.limit_bytes)
-        if edge is None or len(trials) >= self.bisect_after:
+        aimed = len(trials) - next(i for i, t in enumerate(trials) if t.fits)  # a failed guess's trials don't count
+        if edge is None or aimed >= self.bisect_after:
             return _grow_or_bisect(lo, hi, space, 2.0)
         misses = _failures_at_end(trials)
         if misses:
@@ -162,14 +164,15 @@ class Auto:
         return min(max(edge, lo + 1), hi - 1)
 
     def _below_first_fit(self, trials: Sequence[Trial], space: SearchSpace, hi: int) -> int:
-        """Nothing has fitted yet: start at the minimum, or step down from a failed guess
-        (5%, 10%, 20%, ... of it: an estimate is usually close), else halve."""
+        """Nothing has fitted yet: start at the minimum; after a failed guess step 5% below it (an
+        estimate is usually close); when that fails too the estimate is off, so measure the minimum
+        and let the memory model aim; without a guess, halve."""
         if not trials:
             return space.min_batch_size
-        if self.guess is None:
-            return max(hi // 2, space.min_batch_size)
-        step = math.ceil(hi * 0.05 * 2 ** (_failures_at_end(trials) - 1))
-        return max(hi - step, space.min_batch_size)
+        if self.guess is None or len(trials) >= 2:
+            tried = {trial.batch_size for trial in trials}
+            return space.min_batch_size if space.min_batch_size not in tried else max(hi // 2, space.min_batch_size)
+        return max(hi - math.ceil(hi * 0.05), space.min_batch_size)
 
 
 STRATEGIES: dict[str, type] = {cls.name: cls for cls in (Auto, Binary, Power, Grow, Halving)}
