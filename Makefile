@@ -13,7 +13,7 @@ $(BIN)/python:
 # torch is pinned to the local CPU wheel first, so the project's `torch>=2.2` installs nothing more.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[test,plot,lightning,transformers]"
+	$(BIN)/pip install --quiet -e ".[test,plot,lightning,transformers,mlx]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -14,6 +14,8 @@ from rich.table import Table
 from batchfit.cli_common import AmpOption
 from batchfit.cli_common import CacheDir
 from batchfit.cli_common import Debug
+from batchfit.cli_common import Framework
+from batchfit.cli_common import FrameworkOption
 from batchfit.cli_common import ImageSize
 from batchfit.cli_common import SeqLen
 from batchfit.cli_common import app
@@ -32,6 +34,7 @@ from batchfit.report import throughput_table
 from batchfit.report import trials_table
 from batchfit.report import versions
 from batchfit.report import write_json
+from batchfit.search.runner import device_for
 from batchfit.search.runner import search
 from batchfit.search.strategies import STRATEGIES
 from batchfit.trial import Trial
@@ -63,14 +66,15 @@ def find(
     seq_len: SeqLen = None,
     image_size: ImageSize = None,
     amp: AmpOption = None,
+    framework: FrameworkOption = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of peak memory against batch size here.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the batch size.")] = False,
     debug: Debug = False,
 ) -> None:
     """Find the largest batch size that really fits: every answer is a size a trial ran."""
-    work, options = load_for_cli(workload, seq_len, image_size, amp)
-    dev = resolve_device(device, work.model)
+    work, options = load_for_cli(workload, seq_len, image_size, amp, framework.value if framework else None)
+    dev = device_for(work, device)
     check_plotting(plot)
     if not quiet:
         console.print(header_line(work, dev))
@@ -101,9 +105,8 @@ def find(
 
 def _search_live(work: Any, dev: Any, done: list[Trial], quiet: bool, **settings: Any) -> Any:
     capacity = dev.capacity_bytes()
-    first = (
-        "Tracing the workload on fake tensors" if settings["trace"] and settings["strategy"] == "auto" else "Starting"
-    )
+    traces = settings["trace"] and settings["strategy"] == "auto" and getattr(work, "framework", "torch") == "torch"
+    first = "Tracing the workload on fake tensors" if traces else "Starting"
     with console.status(first, spinner="dots") as status:
         if quiet:
             status.stop()
@@ -320,9 +323,9 @@ def plan(
     if workload is not None and micro_batch_size is not None:
         raise ValueError("give either --micro-batch-size N or a WORKLOAD to measure it on, not both")
     if workload is not None:
-        work = load_workload(workload, seq_len=seq_len, only_accepted=True)
+        work = load_workload(workload, framework=None, seq_len=seq_len, only_accepted=True)
         with console.status("Measuring the largest micro-batch", spinner="dots"):
-            measured = search(work, device=resolve_device(device, work.model))
+            measured = search(work, device=device_for(work, device))
         micro_batch_size = measured.batch_size
         console.print(f"Measured on {measured.device}: the largest micro-batch is {micro_batch_size}.", highlight=False)
     if micro_batch_size is None:
@@ -353,10 +356,14 @@ def _print_plan(result: Any) -> None:
         console.print(f"[cyan]Advice:[/] {escape(advice)}")
 
 
-@app.command("list-workloads", epilog="Example: batchfit list-workloads")
-def list_workloads() -> None:
+@app.command("list-workloads", epilog="Example: batchfit list-workloads --framework mlx")
+def list_workloads(
+    framework: Annotated[
+        Framework, typer.Option(help="torch, or mlx: the MLX built-ins (find runs them).")
+    ] = Framework.torch,
+) -> None:
     """Name the built-in workloads, one line each."""
-    for name, line in describe_builtins().items():
+    for name, line in describe_builtins(framework.value).items():
         console.print(f"[bold]{name:10}[/] {line}", highlight=False)
 
 

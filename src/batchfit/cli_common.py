@@ -35,22 +35,34 @@ class Amp(str, Enum):
     fp16 = "fp16"
 
 
+class Framework(str, Enum):
+    torch = "torch"
+    mlx = "mlx"
+
+
 WorkloadArg = Annotated[str, typer.Argument(help="A built-in name, module:function or path/to/file.py:function.")]
 SeqLen = Annotated[int | None, typer.Option(help="Sequence length, for workloads that take one.")]
 ImageSize = Annotated[int | None, typer.Option(help="Image side in pixels, for workloads that take one.")]
 AmpOption = Annotated[Amp | None, typer.Option(help="Mixed precision: bf16 or fp16.")]
 Debug = Annotated[bool, typer.Option(help="Show tracebacks.")]
+FrameworkOption = Annotated[
+    Framework | None,
+    typer.Option(
+        help="torch or mlx: what a module:function workload returns (default: either; built-ins know their own)."
+    ),
+]
 CacheDir = Annotated[
     Path | None, typer.Option(help="The cache folder (default: $BATCHFIT_CACHE_DIR, else the user cache folder).")
 ]
 
 
 def load_for_cli(
-    workload: str, seq_len: int | None, image_size: int | None, amp: Amp | None
+    workload: str, seq_len: int | None, image_size: int | None, amp: Amp | None, framework: str | None = "torch"
 ) -> tuple[Any, dict[str, Any]]:
-    """The workload and the options that reached it (for the JSON)."""
+    """The workload and the options that reached it (for the JSON); ``framework=None`` accepts MLX ones too."""
     options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
-    return load_workload(workload, **options), {key: value for key, value in options.items() if value is not None}
+    work = load_workload(workload, framework=framework, **options)
+    return work, {key: value for key, value in options.items() if value is not None}
 
 
 def check_plotting(plot: Path | None) -> None:
@@ -88,7 +100,8 @@ def parse_margin(text: str) -> int | float | str:
 
 
 def header_line(workload: Any, device: Any, command: str = "find") -> str:
-    params = sum(p.numel() for p in workload.model.parameters())
+    own_count = getattr(workload, "parameter_count", None)  # an MLX workload counts its own
+    params = own_count() if own_count is not None else sum(p.numel() for p in workload.model.parameters())
     optimizer = type(workload.optimizer).__name__ if workload.optimizer is not None else "no optimizer"
     line = f"batchfit {command}: [bold]{workload.name}[/] ({params / 1e6:.2f}M parameters, {optimizer}) on [bold]{device.name}[/]"
     if device.simulated:

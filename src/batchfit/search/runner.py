@@ -72,7 +72,23 @@ def _upper_bound(workload: Workload, limit_bytes: int | None, baseline_bytes: in
     would not."""
     if limit_bytes is None:
         return UNBOUNDED_MAX_BATCH_SIZE
-    return max(min_batch_size, (limit_bytes - baseline_bytes) // bytes_per_sample(workload.sample_batch))
+    own = getattr(workload, "bytes_per_sample", None)  # a workload of another framework (MLX) measures its own
+    per_sample = own() if own is not None else bytes_per_sample(workload.sample_batch)
+    return max(min_batch_size, (limit_bytes - baseline_bytes) // per_sample)
+
+
+def device_for(workload: Any, device: DeviceSpec) -> Device:
+    """The Device to probe ``workload`` on; a workload of another framework (MLX) resolves its own."""
+    own = getattr(workload, "resolve_device", None)
+    return own(device) if own is not None else resolve_device(device, workload.model)
+
+
+def _prober(workload: Any, device: Device, steps: int, limit_bytes: int | None) -> Any:
+    """The device's own prober where it has one (MLX), else torch's ``Prober``."""
+    own = getattr(device, "prober", None)
+    if own is not None:
+        return own(workload, steps=steps, limit_bytes=limit_bytes)
+    return Prober(workload, device, steps=steps, limit_bytes=limit_bytes)
 
 
 def _nothing_fits(
@@ -144,8 +160,9 @@ def search(
     """
     check_bounds(min_batch_size, max_batch_size, max_trials)
     start = time.perf_counter()
-    chosen = make_strategy(strategy)
-    dev = resolve_device(device, workload.model)
+    dev = device_for(workload, device)
+    # "auto" is the device's best default: a device without per-op timelines (MLX) may name another.
+    chosen = make_strategy(getattr(dev, "auto_strategy", strategy) if strategy == "auto" else strategy)
     capacity, limit = usable_bytes(dev, margin)
     agreeing = distributed.active() if agree is None else agree
     if agreeing and limit is not None:
@@ -157,7 +174,8 @@ def search(
     if hit is not None:
         return hit
     traced = None
-    if trace and strategy == "auto" and limit is not None and not getattr(dev, "traces", False):
+    traceable = isinstance(workload, Workload) and not getattr(dev, "traces", False)  # a torch workload, not traced yet
+    if trace and strategy == "auto" and limit is not None and traceable:
         traced = trace_estimate(workload, dev, limit, (min_batch_size, max_batch_size), steps)
         guess = traced["batch_size"] if traced is not None else None
         if agreeing:
@@ -166,7 +184,7 @@ def search(
             chosen = make_strategy("auto", guess=guess)
     workload = dev.prepare(workload)
     trials: list[Trial] = []
-    with Prober(workload, dev, steps=steps, limit_bytes=limit) as prober:
+    with _prober(workload, dev, steps, limit) as prober:
         top = max_batch_size or _upper_bound(workload, limit, prober.baseline_bytes, min_batch_size)
         if agreeing:
             top = distributed.agree_min(top)
@@ -225,6 +243,8 @@ def _place_in_cache(cache: CacheSpec, agreeing: bool, workload: Workload, device
                     settings: dict[str, Any]) -> CachedSearch | None:  # fmt: skip
     """Where this search's answer is kept, or ``None``: no cache, or ranks (which could disagree on a hit)."""
     opened = open_cache(cache) if not agreeing else None
+    if opened is not None and not isinstance(workload, Workload):
+        raise ValueError("the result cache fingerprints torch workloads only: search this workload without cache")
     return CachedSearch.make(opened, workload, device, settings) if opened is not None else None
 
 
