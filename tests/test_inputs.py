@@ -39,7 +39,7 @@ def find(**overrides):
         ({"device": 3}, TypeError, "device must be a string, a torch.device or a batchfit Device"),
         ({"margin": 1.5}, ValueError, r"fractional margin must be in \[0, 1\)"),
         ({"margin": "a bit"}, ValueError, "margin 'a bit' is not a size"),
-        ({"max_trials": 0}, ValueError, "max_trials must be at least 1"),
+        ({"max_trials": 0}, ValueError, "max_trials must be an integer of at least 1"),
         ({"amp_dtype": "fp8"}, ValueError, "amp_dtype must be torch.float16, torch.bfloat16"),
         ({"mode": "infer"}, ValueError, "mode must be one of"),
         ({"steps": 0}, ValueError, "steps must be at least 1"),

@@ -160,6 +160,8 @@ def estimate(
 
     if (gpu is None) == (capacity is None):
         raise ValueError("give exactly one of --gpu (e.g. --gpu a100-40gb) or --capacity (e.g. --capacity 40GiB)")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"--batch-size must be a positive integer, got {batch_size}")
     reserve_bytes = None if reserve is None else parse_bytes(reserve, what="reserve", allow_zero=True)
     label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
     tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes)
@@ -171,7 +173,7 @@ def estimate(
                       "traced on fake tensors: nothing runs on a GPU.", highlight=False)  # fmt: skip
     with console.status("Tracing", spinner="dots"), tracing():
         largest = search(work, device=tracer, trace=False)
-    at = batch_size or largest.batch_size
+    at = batch_size if batch_size is not None else largest.batch_size
     breakdown = estimate_workload(work, at, capacity=tracer.capacity_bytes())
     if quiet:
         console.print(largest.batch_size)

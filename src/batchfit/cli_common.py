@@ -66,10 +66,13 @@ def load_for_cli(
 
 
 def check_plotting(plot: Path | None) -> None:
-    """Fail before the work, not after it, when a plot is asked for and matplotlib is missing."""
+    """Fail before the work, not after it, when a plot is asked for and matplotlib is missing or
+    its folder does not exist."""
     if plot is not None:
+        from batchfit.files import check_writable
         from batchfit.plots import _pyplot
 
+        check_writable(plot)
         _pyplot()
 
 

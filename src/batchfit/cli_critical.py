@@ -83,8 +83,11 @@ def critical(
     from batchfit.noise_measure import measure_noise_scale
     from batchfit.plan import plan_batch
 
+    if micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be a positive integer, got {micro_batch_size}")
     if batch_size <= micro_batch_size:
         raise ValueError(f"--batch-size ({batch_size}) must be larger than --micro-batch-size ({micro_batch_size})")
+    sizes = parse_sizes(batch_sizes) if empirical else []  # checked before any work, not after the measurement
     work = load_workload(workload, sample_size=population, seq_len=seq_len, only_accepted=True)
     console.print(f"batchfit critical: [bold]{escape(work.name)}[/], {steps} steps of {batch_size} rows "
                   f"({batch_size // micro_batch_size} micro-batches of {micro_batch_size}) from {batch_length(work.sample_batch)} rows.")  # fmt: skip
@@ -103,19 +106,33 @@ def critical(
     document = {"workload": {"name": work.name, "population": batch_length(work.sample_batch)},
                 "noise_scale": noise.to_dict(), "plan": plan.to_dict(), "versions": versions()}  # fmt: skip
     if empirical:
-        document["empirical"] = _empirical(workload, work, population, seq_len, batch_sizes, samples).to_dict()
+        document["empirical"] = _empirical(workload, work, population, seq_len, sizes, samples).to_dict()
     if json_path is not None:
         write_json(json_path, document)
         console.print(f"Wrote {json_path}")
 
 
-def _empirical(spec: str, work: Any, population: int, seq_len: int | None, batch_sizes: str, samples: int) -> Any:
+def parse_sizes(text: str) -> list[int]:
+    """``"8,16,32"`` as ``[8, 16, 32]``; anything else is a clear error.
+
+    >>> parse_sizes("8, 16,32")
+    [8, 16, 32]
+    """
+    try:
+        sizes = [int(size) for size in text.split(",") if size.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-sizes must be positive integers separated by commas, e.g. 8,16,32, got {text!r}")
+    return sizes
+
+
+def _empirical(spec: str, work: Any, population: int, seq_len: int | None, sizes: list[int], samples: int) -> Any:
     from batchfit.batching import slice_batch
     from batchfit.critical import critical_batch_by_training
 
     if work.optimizer is None:
         raise ValueError("--empirical trains: the workload needs an optimizer")
-    sizes = [int(size) for size in batch_sizes.split(",") if size.strip()]
 
     def build(lr: float) -> tuple[Any, Any]:
         fresh = load_workload(spec, sample_size=population, seq_len=seq_len, only_accepted=True)

@@ -6,6 +6,7 @@ Each builder returns a ``Workload`` with a fixed seed, so runs are reproducible.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -127,6 +128,13 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def _check_sizes(**sizes: Any) -> None:
+    """The built-ins' sizes must be positive integers: a zero-length sequence would "fit" millions."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 def gpt_tiny(
     seq_len: int = 64,
     amp_dtype: str | None = None,
@@ -139,6 +147,7 @@ def gpt_tiny(
 
     ``layers`` sets the depth; ``mode="generate"`` probes greedy decoding of ``max_new_tokens``
     after a ``seq_len`` prompt, with a KV cache."""
+    _check_sizes(seq_len=seq_len, sample_size=sample_size, layers=layers)
     torch.manual_seed(0)
     extra = max_new_tokens if mode == "generate" else 0
     model = TinyGPT(layers=layers, max_len=max(seq_len + extra, 1))
@@ -151,6 +160,7 @@ def gpt_tiny(
 
 def cnn_small(image_size: int = 32, amp_dtype: str | None = None, sample_size: int = 4) -> Workload:
     """A residual CNN with BatchNorm and SGD with momentum on ``(images, labels)``."""
+    _check_sizes(image_size=image_size, sample_size=sample_size)
     torch.manual_seed(0)
     model = SmallResNet()
     batch = (torch.randn(sample_size, 3, image_size, image_size), torch.randint(0, 10, (sample_size,)))
@@ -160,6 +170,7 @@ def cnn_small(image_size: int = 32, amp_dtype: str | None = None, sample_size: i
 
 def mlp(features: int = 128, amp_dtype: str | None = None, sample_size: int = 4) -> Workload:
     """An MLP classifier with Adam on a dict batch ``{"features", "labels"}``; the model returns the loss."""
+    _check_sizes(features=features, sample_size=sample_size)
     torch.manual_seed(0)
     model = MLPClassifier(features=features)
     batch = {"features": torch.randn(sample_size, features), "labels": torch.randint(0, 10, (sample_size,))}

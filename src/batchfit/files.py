@@ -15,11 +15,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     >>> atomic_write_bytes(target, b"done").read_bytes()
     b'done'
     """
-    target = Path(path)
-    if target.is_dir():
-        raise ValueError(f"cannot write {target}: it is a folder; give a file path such as {target / 'result.json'}")
-    if not target.parent.is_dir():
-        raise ValueError(f"cannot write {target}: folder {target.parent} does not exist (create it first)")
+    target = check_writable(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         os.chmod(tmp, _file_mode(target))  # mkstemp makes it private; keep what a plain open() would give
@@ -31,6 +27,17 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return target
+
+
+def check_writable(path: str | Path) -> Path:
+    """``path`` as a ``Path`` if a file can be written there (its folder exists, it is no folder),
+    else a ``ValueError`` naming the fix: check before the work, not after it."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"cannot write {target}: it is a folder; give a file path such as {target / 'result.json'}")
+    if not target.parent.is_dir():
+        raise ValueError(f"cannot write {target}: folder {target.parent} does not exist (create it first)")
     return target
 
 

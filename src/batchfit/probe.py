@@ -74,8 +74,8 @@ class Prober:
         phase_hook: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
-        if steps < 1:
-            raise ValueError(f"steps must be at least 1 (2 or more to include optimizer state), got {steps}")
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be at least 1 (2 or more to include optimizer state), got {steps!r}")
         self.workload = workload
         self.device = device
         self.steps = steps
@@ -179,6 +179,7 @@ class Prober:
         """Restore the state and free what the trial left; a full collection only when needed
         (after an OOM, tracebacks form reference cycles that hold activations: pytorch#82218)."""
         assert self._snapshot is not None
+        _drain_autograd_queue()
         self._snapshot.restore()
         self.device.register(self.workload.state_tensors())  # tensors a restore had to re-create
         self.device.cleanup()
@@ -200,6 +201,15 @@ class Prober:
             )
             return Trial(batch_size, False, peak, seconds, over, **common)
         return Trial(batch_size, True, peak, seconds, None, **common)
+
+
+def _drain_autograd_queue() -> None:
+    """After an error in backward, the autograd engine keeps the failed graph's pending tasks (their
+    saved activations, the batch, partial gradients) in this thread's ready queue until the next
+    backward runs on it, and no garbage collection frees them. A one-element backward drains the
+    queue; tasks of a failed graph are dropped unrun."""
+    with torch.inference_mode(False), torch.enable_grad():
+        torch.ones((), requires_grad=True).backward()
 
 
 @dataclass

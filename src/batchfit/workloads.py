@@ -65,6 +65,8 @@ def _load_file(path: Path) -> Any:
     except ModuleNotFoundError as error:
         _raise_if_mlx_missing(error, str(path))
         raise
+    except SyntaxError as error:  # also a file that is not UTF-8 text
+        raise ValueError(f"workload file {path} is not valid Python: {error.msg}, line {error.lineno}") from None
     return module
 
 

@@ -53,7 +53,13 @@ def margin_bytes(margin: int | float | str, capacity_bytes: int | None) -> int:
 def usable_bytes(device: Device, margin: int | float | str) -> tuple[int | None, int | None]:
     """The device's capacity and the bytes a trial may use: capacity minus margin (``None``: unknown)."""
     capacity = device.capacity_bytes()
-    return capacity, None if capacity is None else capacity - margin_bytes(margin, capacity)
+    if capacity is None:
+        return None, None
+    kept = margin_bytes(margin, capacity)
+    if kept >= capacity:
+        raise ValueError(f"margin {format_bytes(kept)} leaves nothing of the capacity {format_bytes(capacity)}: "
+                         "give a smaller margin (bytes, '512MiB', or a fraction such as 0.05)")  # fmt: skip
+    return capacity, capacity - kept
 
 
 def check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: int | None) -> None:
@@ -63,8 +69,8 @@ def check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: in
         raise ValueError(
             f"max_batch_size must be an integer >= min_batch_size ({min_batch_size}), got {max_batch_size!r}"
         )
-    if max_trials is not None and max_trials < 1:
-        raise ValueError(f"max_trials must be at least 1 or None, got {max_trials!r}")
+    if max_trials is not None and (not isinstance(max_trials, int) or max_trials < 1):
+        raise ValueError(f"max_trials must be an integer of at least 1, or None, got {max_trials!r}")
 
 
 def _upper_bound(workload: Workload, limit_bytes: int | None, baseline_bytes: int, min_batch_size: int) -> int:
