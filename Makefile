@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench reliability clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/trace_cost.py
 	$(BIN)/python benchmarks/microbatch_overhead.py
 	$(BIN)/python benchmarks/sweep_trials.py
+	$(BIN)/python benchmarks/peers.py
+
+# Fault injection, bad inputs and endurance (a reduced form runs in `make test`): benchmarks/RELIABILITY.md.
+reliability: $(STAMP)
+	$(BIN)/python benchmarks/reliability.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info
