@@ -23,11 +23,11 @@ from dataclasses import field
 import numpy as np
 import torch
 from bench_workloads import Case
-from torch.utils._python_dispatch import _disable_current_modes
 
 import batchfit as bf
 from batchfit.batching import resize_batch
 from batchfit.batching import tensor_leaves
+from batchfit.probe import drain_autograd_queue  # the peers' trials end with it, as batchfit's do
 from batchfit.search.strategies import Grow
 from batchfit.workload import compute_loss
 
@@ -71,19 +71,6 @@ def train_step(work: bf.Workload, batch: object) -> None:
     loss.backward()
     work.optimizer.step()
     work.optimizer.zero_grad(set_to_none=True)
-
-
-def drain_autograd_queue() -> None:
-    """Drop what a failed backward left in this thread's autograd queue.
-
-    On the CPU, backward runs on the calling thread, and after an error (a simulated OOM) the
-    engine keeps the failed graph's pending tasks, with their saved activations, in that thread's
-    queue until the next backward runs there; no garbage collection frees them. On a GPU the
-    device's own autograd thread drops them at once. A one-element backward drains the queue; the
-    peers' trials are wrapped to drain it when they end, so each peer frees memory after an OOM
-    as it would on a GPU (batchfit's prober does the same)."""
-    with _disable_current_modes(), torch.enable_grad():  # not counted: the simulated device's mode is off
-        torch.ones((), requires_grad=True).backward()
 
 
 def prepared(case: Case) -> tuple[bf.Workload, bf.SimulatedDevice]:

@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 
 from batchfit.devices.oom import is_oom
+from batchfit.probe import drain_autograd_queue
 from batchfit.search.result import NoBatchFitsError
 from batchfit.search.strategies import Power
 from batchfit.search.strategies import SearchSpace
@@ -33,7 +34,9 @@ PROBE_CEILING = 1 << 16  # the probe's upper bound when no max_batch_size is giv
 
 
 def free_memory() -> None:
-    """What an OOM leaves behind: reference cycles, and the CUDA/MPS allocators' caches."""
+    """What an OOM leaves behind: a cut-short backward's queued work, reference cycles, and the
+    CUDA/MPS allocators' caches."""
+    drain_autograd_queue()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

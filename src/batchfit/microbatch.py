@@ -22,6 +22,7 @@ from batchfit.devices.oom import is_oom
 from batchfit.devices.resolve import resolve_device
 from batchfit.noise import NoiseScaleEstimator
 from batchfit.noise_measure import GradientWatcher
+from batchfit.probe import drain_autograd_queue
 from batchfit.state import StateSnapshot
 from batchfit.workload import compute_loss
 
@@ -286,6 +287,7 @@ class Microbatcher:
     # -- recovery --------------------------------------------------------------------------------
 
     def _clean_up(self, why: str) -> None:
+        drain_autograd_queue()  # a backward cut short by the OOM keeps its activations queued (CPU devices)
         self.optimizer.zero_grad(set_to_none=True)
         self._undo_scaler()
         self.device.collect()

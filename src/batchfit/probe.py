@@ -9,6 +9,7 @@ from dataclasses import field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from batchfit.batching import move_batch
 from batchfit.batching import resize_batch
@@ -179,7 +180,7 @@ class Prober:
         """Restore the state and free what the trial left; a full collection only when needed
         (after an OOM, tracebacks form reference cycles that hold activations: pytorch#82218)."""
         assert self._snapshot is not None
-        _drain_autograd_queue()
+        drain_autograd_queue()
         self._snapshot.restore()
         self.device.register(self.workload.state_tensors())  # tensors a restore had to re-create
         self.device.cleanup()
@@ -203,12 +204,14 @@ class Prober:
         return Trial(batch_size, True, peak, seconds, None, **common)
 
 
-def _drain_autograd_queue() -> None:
+def drain_autograd_queue() -> None:
     """After an error in backward, the autograd engine keeps the failed graph's pending tasks (their
     saved activations, the batch, partial gradients) in this thread's ready queue until the next
     backward runs on it, and no garbage collection frees them. A one-element backward drains the
-    queue; tasks of a failed graph are dropped unrun."""
-    with torch.inference_mode(False), torch.enable_grad():
+    queue; tasks of a failed graph are dropped unrun. Outside any dispatch mode, so a simulated
+    device at its limit neither counts nor refuses the one scalar. On a GPU the device's autograd
+    thread drops them itself; there this costs one tiny CPU backward."""
+    with _disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
         torch.ones((), requires_grad=True).backward()
 
 
