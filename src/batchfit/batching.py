@@ -59,15 +59,20 @@ def batch_length(batch: Any) -> int:
 
     Raises ``ValueError`` when there is no tensor or when the leading dimensions differ.
     """
-    lengths = {t.shape[0] for t in tensor_leaves(batch) if t.dim() > 0}
+    return common_length({t.shape[0] for t in tensor_leaves(batch) if t.dim() > 0}, "tensor")
+
+
+def common_length(lengths: set[int], kind: str) -> int:
+    """The one batch length of a sample's ``kind`` leaves (``"tensor"``, ``"MLX array"``), or a
+    ``ValueError`` naming the fix when there is none, several, or it is 0."""
     if not lengths:
         raise ValueError(
-            "the sample batch holds no tensor with a batch dimension: pass one real batch from "
+            f"the sample batch holds no {kind} with a batch dimension: pass one real batch from "
             "your data loader, e.g. next(iter(loader))"
         )
     if len(lengths) > 1:
         raise ValueError(
-            f"the sample batch's tensors have different batch lengths {sorted(lengths)}: every tensor "
+            f"the sample batch's {kind}s have different batch lengths {sorted(lengths)}: every {kind} "
             "needs the same leading dimension (pass a step_fn to handle other layouts)"
         )
     length = lengths.pop()

@@ -212,12 +212,7 @@ def compute_loss(model: torch.nn.Module, batch: Any, *, loss_fn: LossFn | None =
     """
     if step_fn is not None:
         return step_fn(model, batch)
-    if isinstance(batch, Mapping):
-        output, targets = model(**batch), batch
-    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
-        output, targets = model(batch[0]), batch[1]
-    else:
-        output, targets = model(batch), batch
+    output, targets = call_by_convention(model, batch)
     if loss_fn is not None:
         return loss_fn(output, targets)
     if not need_loss:
@@ -225,6 +220,17 @@ def compute_loss(model: torch.nn.Module, batch: Any, *, loss_fn: LossFn | None =
     if isinstance(batch, Mapping):
         return _loss_attribute(output)
     raise ValueError("this batch needs a loss: pass loss_fn(output, targets) or step_fn(model, batch)")
+
+
+def call_by_convention(model: Any, batch: Any) -> tuple[Any, Any]:
+    """``(output, targets)``: a mapping runs ``model(**batch)`` (targets: the batch), a pair
+    ``(inputs, targets)`` runs ``model(inputs)``, anything else ``model(batch)`` (targets: the batch).
+    Any callable model: torch's and MLX's alike."""
+    if isinstance(batch, Mapping):
+        return model(**batch), batch
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return model(batch[0]), batch[1]
+    return model(batch), batch
 
 
 def _autocast(device_type: str, dtype: torch.dtype | None):

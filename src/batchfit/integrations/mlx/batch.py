@@ -15,6 +15,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from batchfit.batching import common_length
+
 
 def map_leaves(fn: Callable[[Any], Any], batch: Any, kinds: tuple[type, ...] = (mx.array,)) -> Any:
     """Apply ``fn`` to every leaf of ``batch`` that is one of ``kinds``, keeping the structure and other leaves.
@@ -58,20 +60,7 @@ def batch_length(batch: Any) -> int:
     >>> batch_length((mx.zeros((4, 8)), mx.zeros((4,))))
     4
     """
-    lengths = {a.shape[0] for a in array_leaves(batch) if a.ndim > 0}
-    if not lengths:
-        raise ValueError(
-            "the sample batch holds no MLX array with a batch dimension: pass one real batch from your data"
-        )
-    if len(lengths) > 1:
-        raise ValueError(
-            f"the sample batch's arrays have different batch lengths {sorted(lengths)}: every array "
-            "needs the same leading dimension (pass a step_fn to handle other layouts)"
-        )
-    length = lengths.pop()
-    if length == 0:
-        raise ValueError("the sample batch is empty (batch length 0): pass at least one sample")
-    return length
+    return common_length({a.shape[0] for a in array_leaves(batch) if a.ndim > 0}, "MLX array")
 
 
 def batch_bytes(batch: Any) -> int:

@@ -19,6 +19,7 @@ from batchfit.integrations.mlx.batch import batch_length
 from batchfit.integrations.mlx.batch import bytes_per_sample
 from batchfit.integrations.mlx.device import MlxDevice
 from batchfit.integrations.mlx.device import resolve_mlx_device
+from batchfit.workload import call_by_convention
 
 LossFn = Callable[[Any, Any], mx.array]
 StepFn = Callable[[nn.Module, Any], mx.array]
@@ -82,12 +83,7 @@ class MlxWorkload:
         """The scalar loss of ``model`` on ``batch``, by the calling convention."""
         if self.step_fn is not None:
             return _checked(self.step_fn(model, batch))
-        if isinstance(batch, Mapping):
-            output, targets = model(**batch), batch
-        elif isinstance(batch, (tuple, list)) and len(batch) == 2:
-            output, targets = model(batch[0]), batch[1]
-        else:
-            output, targets = model(batch), batch
+        output, targets = call_by_convention(model, batch)
         if self.loss_fn is not None:
             return _checked(self.loss_fn(output, targets))
         if isinstance(batch, Mapping):
