@@ -62,14 +62,18 @@ def usable_bytes(device: Device, margin: int | float | str) -> tuple[int | None,
     return capacity, capacity - kept
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a size
+
+
 def check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: int | None) -> None:
-    if not isinstance(min_batch_size, int) or min_batch_size < 1:
+    if not _is_count(min_batch_size) or min_batch_size < 1:
         raise ValueError(f"min_batch_size must be an integer of at least 1, got {min_batch_size!r}")
-    if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < min_batch_size):
+    if max_batch_size is not None and (not _is_count(max_batch_size) or max_batch_size < min_batch_size):
         raise ValueError(
             f"max_batch_size must be an integer >= min_batch_size ({min_batch_size}), got {max_batch_size!r}"
         )
-    if max_trials is not None and (not isinstance(max_trials, int) or max_trials < 1):
+    if max_trials is not None and (not _is_count(max_trials) or max_trials < 1):
         raise ValueError(f"max_trials must be an integer of at least 1, or None, got {max_trials!r}")
 
 
