@@ -81,6 +81,20 @@ def common_length(lengths: set[int], kind: str) -> int:
     return length
 
 
+def batch_ceiling(dataset: Any, devices: int, limit: int | None = None) -> int | None:
+    """``limit``, capped at one device's share of a sized ``dataset`` (rows rounded up): a larger
+    batch would never be full. ``None`` when neither bounds it (an iterable dataset, no limit).
+
+    >>> batch_ceiling(range(1000), 3), batch_ceiling(range(1000), 3, limit=64), batch_ceiling(iter([]), 2)
+    (334, 64, None)
+    """
+    try:
+        rows = -(-len(dataset) // devices)
+    except TypeError:  # an iterable dataset has no length
+        return limit
+    return rows if limit is None else min(limit, rows)
+
+
 def bytes_per_sample(batch: Any) -> int:
     """Bytes one sample adds to the batch (the batch tensors' bytes divided by their length)."""
     length = batch_length(batch)

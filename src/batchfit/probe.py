@@ -75,8 +75,7 @@ class Prober:
         phase_hook: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be at least 1 (2 or more to include optimizer state), got {steps!r}")
+        check_steps(steps)
         self.workload = workload
         self.device = device
         self.steps = steps
@@ -121,13 +120,8 @@ class Prober:
         self.device.cleanup()
 
     def _check_capacity(self) -> None:
-        limit = self.limit_bytes if self.limit_bytes is not None else self.device.capacity_bytes()
-        if limit is not None and self.baseline_bytes >= limit:
-            raise ModelDoesNotFitError(
-                f"{self.device.name} has {format_bytes(limit)} usable but the workload already holds "
-                f"{format_bytes(self.baseline_bytes)} before any batch (parameters, buffers, gradients, "
-                "optimizer state): give a larger capacity or a smaller margin"
-            )
+        check_room(self.device, self.limit_bytes, self.baseline_bytes,
+                   "the workload already holds", "parameters, buffers, gradients, optimizer state")  # fmt: skip
 
     def probe(self, batch_size: int) -> Trial:
         """Run one trial at ``batch_size`` and put the state back."""
@@ -202,6 +196,23 @@ class Prober:
             )
             return Trial(batch_size, False, peak, seconds, over, **common)
         return Trial(batch_size, True, peak, seconds, None, **common)
+
+
+def check_steps(steps: Any) -> None:
+    """``steps`` must be a positive integer (a trial's full training steps)."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be at least 1 (2 or more to include optimizer state), got {steps!r}")
+
+
+def check_room(device: Any, limit_bytes: int | None, baseline_bytes: int, holder: str, held: str) -> None:
+    """``ModelDoesNotFitError`` when what is held before any batch already fills the usable
+    memory (``limit_bytes``, else the device's capacity); ``holder`` and ``held`` word the message."""
+    limit = limit_bytes if limit_bytes is not None else device.capacity_bytes()
+    if limit is not None and baseline_bytes >= limit:
+        raise ModelDoesNotFitError(
+            f"{device.name} has {format_bytes(limit)} usable but {holder} {format_bytes(baseline_bytes)} "
+            f"before any batch ({held}): give a larger capacity or a smaller margin"
+        )
 
 
 def drain_autograd_queue() -> None:

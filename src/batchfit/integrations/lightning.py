@@ -29,6 +29,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only where lightning is missing
     raise ImportError("batchfit's Lightning integration needs Lightning: pip install 'batchfit[lightning]'") from error
 
+from batchfit.batching import batch_ceiling
 from batchfit.plan import BatchPlan
 from batchfit.plan import plan_batch
 from batchfit.search.result import SearchResult
@@ -122,7 +123,8 @@ class BatchFit(pl.Callback):
             )
         loader = train_dataloader(trainer, pl_module)
         workload = lightning_workload(trainer, pl_module, next(iter(loader)))
-        found = search(workload, **{**self.options, "max_batch_size": self._upper_limit(loader, trainer.world_size)})
+        ceiling = batch_ceiling(getattr(loader, "dataset", None), trainer.world_size, self.options["max_batch_size"])
+        found = search(workload, **{**self.options, "max_batch_size": ceiling})
         result = self._settle(found, trainer.world_size)
         if result.accumulate_grad_batches > 1:  # later micro-batches of a window run with the gradients alive
             held = search(dataclasses.replace(workload, accumulating=True),
@@ -133,15 +135,6 @@ class BatchFit(pl.Callback):
         _reload_train_data(trainer)
         _report(trainer, result)
         return result
-
-    def _upper_limit(self, loader: Any, world_size: int) -> int | None:
-        """The caller's limit, or the rows each rank sees per epoch: a larger batch would not be full."""
-        limit = self.options["max_batch_size"]
-        try:
-            rows = -(-len(loader.dataset) // world_size)
-        except (AttributeError, TypeError):  # an iterable dataset has no length
-            return limit
-        return rows if limit is None else min(limit, rows)
 
     def _settle(self, found: SearchResult, world_size: int) -> BatchFitResult:
         if self.global_batch_size is None:

@@ -35,6 +35,7 @@ except ImportError as error:  # pragma: no cover - exercised only where transfor
         "batchfit's Transformers integration needs transformers and accelerate: pip install 'batchfit[transformers]'"
     ) from error
 
+from batchfit.batching import batch_ceiling
 from batchfit.batching import pad_sequences
 from batchfit.plan import BatchPlan
 from batchfit.plan import plan_batch
@@ -45,6 +46,7 @@ from batchfit.state import StateSnapshot
 from batchfit.state import _restore_rng
 from batchfit.state import _save_rng
 from batchfit.workload import Workload
+from batchfit.workload import hold_gradients
 
 __all__ = ["BatchFitCallback", "TrainerFit", "data_parallel_size", "fit_trainer", "fit_training_args",
            "train_workload", "training_amp_dtype"]  # fmt: skip
@@ -228,9 +230,8 @@ def _optimizer_state_made(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     optimizer and the RNG states are as before, bitwise."""
     snapshot = StateSnapshot.take(model, optimizer)
     try:
-        for param in model.parameters():
-            if param.requires_grad:
-                param.grad = torch.zeros_like(param)
+        model.zero_grad(set_to_none=True)
+        hold_gradients(model)  # zero gradients: one step makes the optimizer's state
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         yield
@@ -292,10 +293,8 @@ def _eval_search(trainer: Trainer, optimizer: torch.optim.Optimizer, devices: in
     with _optimizer_state_made(trainer.model, optimizer):
         for name in names:
             dataset = trainer.eval_dataset if name is None else trainer.eval_dataset[name]
-            rows = math.ceil(len(dataset) / devices) if hasattr(dataset, "__len__") else None
-            limits = [limit for limit in (rows, max_batch_size) if limit is not None]
             workload = _eval_workload(trainer, name, optimizer, longest_seq_len)
-            results.append(search(workload, max_batch_size=min(limits) if limits else None, **options))
+            results.append(search(workload, max_batch_size=batch_ceiling(dataset, devices, max_batch_size), **options))
     return min(results, key=lambda result: result.batch_size)
 
 

@@ -26,7 +26,8 @@ from batchfit.integrations.mlx.device import MlxDevice
 from batchfit.integrations.mlx.device import is_mlx_oom
 from batchfit.integrations.mlx.snapshot import MlxSnapshot
 from batchfit.integrations.mlx.workload import MlxWorkload
-from batchfit.search.result import ModelDoesNotFitError
+from batchfit.probe import check_room
+from batchfit.probe import check_steps
 from batchfit.trial import Trial
 from batchfit.units import format_bytes
 
@@ -59,8 +60,7 @@ class MlxProber:
 
     def __init__(self, workload: MlxWorkload, device: MlxDevice, *, steps: int = 2, limit_bytes: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):  # fmt: skip
-        if steps < 1:
-            raise ValueError(f"steps must be at least 1 (2 or more to include optimizer state), got {steps}")
+        check_steps(steps)
         self.workload = workload
         self.device = device
         self.steps = steps
@@ -88,13 +88,8 @@ class MlxProber:
         self.device.cleanup()
 
     def _check_capacity(self) -> None:
-        limit = self.limit_bytes if self.limit_bytes is not None else self.device.capacity_bytes()
-        if limit is not None and self.baseline_bytes >= limit:
-            raise ModelDoesNotFitError(
-                f"{self.device.name} has {format_bytes(limit)} usable but MLX already holds "
-                f"{format_bytes(self.baseline_bytes)} before any batch (parameters, optimizer state, the sample): "
-                "give a larger capacity or a smaller margin"
-            )
+        check_room(self.device, self.limit_bytes, self.baseline_bytes,
+                   "MLX already holds", "parameters, optimizer state, the sample")  # fmt: skip
 
     def probe(self, batch_size: int) -> Trial:
         """Run one trial at ``batch_size`` and put the state back."""
