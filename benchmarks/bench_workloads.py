@@ -22,11 +22,11 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.examples import cnn_small
-from batchfit.examples import gpt_tiny
-from batchfit.examples import mlp
-from batchfit.files import atomic_write_text
-from batchfit.probe import Prober
+from batchfit.cli.examples import cnn_small
+from batchfit.cli.examples import gpt_tiny
+from batchfit.cli.examples import mlp
+from batchfit.search.files import atomic_write_text
+from batchfit.search.prober import Prober
 
 HERE = Path(__file__).parent
 EDGES_PATH = HERE / "true_edges.json"

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data import Dataset
 
 import batchfit as bf
-from batchfit.batching import resize_batch
-from batchfit.workload import compute_loss
+from batchfit.step.batching import resize_batch
+from batchfit.step.workload import compute_loss
 
 DATASET_ROWS = 1 << 20  # above any size tried: Lightning stops growing at the dataset's length
 
@@ -74,8 +74,16 @@ def make_module(work: bf.Workload) -> WorkloadModule:
 
 def make_trainer(root: str) -> pl.Trainer:
     """A CPU trainer with nothing but the loop: no logger, checkpoints, progress bar or summary."""
-    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)  # fmt: skip
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
 
 
 @contextlib.contextmanager

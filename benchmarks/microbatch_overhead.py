@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.batching import resize_batch
-from batchfit.batching import slice_batch
-from batchfit.examples import cnn_small
-from batchfit.examples import gpt_tiny
-from batchfit.examples import mlp
-from batchfit.files import atomic_write_text
-from batchfit.workload import compute_loss
+from batchfit.cli.examples import cnn_small
+from batchfit.cli.examples import gpt_tiny
+from batchfit.cli.examples import mlp
+from batchfit.search.files import atomic_write_text
+from batchfit.step.batching import resize_batch
+from batchfit.step.batching import slice_batch
+from batchfit.step.workload import compute_loss
 
 HERE = Path(__file__).parent
 GLOBAL, MICRO, WARMUP, TIMED = 32, 8, 5, 60
@@ -44,8 +44,14 @@ def hand_loop(work: bf.Workload):
 
 
 def microbatcher(work: bf.Workload, guard: bool):
-    batcher = bf.Microbatcher(work.model, work.optimizer, loss_fn=work.loss_fn, device="cpu", micro_batch_size=MICRO,
-                              guard_optimizer_step=guard)  # fmt: skip
+    batcher = bf.Microbatcher(
+        work.model,
+        work.optimizer,
+        loss_fn=work.loss_fn,
+        device="cpu",
+        micro_batch_size=MICRO,
+        guard_optimizer_step=guard,
+    )
     return batcher.step
 
 

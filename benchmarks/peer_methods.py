@@ -25,11 +25,11 @@ import torch
 from bench_workloads import Case
 
 import batchfit as bf
-from batchfit.batching import resize_batch
-from batchfit.batching import tensor_leaves
-from batchfit.probe import drain_autograd_queue  # the peers' trials end with it, as batchfit's do
+from batchfit.devices.cleanup import drain_autograd_queue  # the peers' trials end with it, as batchfit's do
 from batchfit.search.strategies import Grow
-from batchfit.workload import compute_loss
+from batchfit.step.batching import resize_batch
+from batchfit.step.batching import tensor_leaves
+from batchfit.step.workload import compute_loss
 
 STEPS_PER_CALL = 2  # accelerate: steps per call of the wrapped function, as in a batchfit trial
 CHECK_STEPS = 20  # the check after a search: this many real training steps at the size found
@@ -108,17 +108,29 @@ def batchfit_method(strategy: str, **options: object) -> Callable[[Case], Run]:
         chosen = Grow(start=SEED_002_START) if strategy == "grow" else strategy
         start = time.perf_counter()
         try:
-            result = bf.search(work, device=device, strategy=chosen, **{"trace": False, **options})
+            result = bf.search_workload(work, device=device, strategy=chosen, **{"trace": False, **options})
         except bf.NoBatchFitsError as error:  # grow's 5 attempts can run out before anything fits
             trials = error.trials
             tally = Tally([t.batch_size for t in trials], [], sum(t.oom for t in trials), sum(t.steps for t in trials))
             return Run(None, tally, time.perf_counter() - start, {"error": str(error)})
         seconds = time.perf_counter() - start
-        tally = Tally([t.batch_size for t in result.trials], [t.batch_size for t in result.trials if t.fits],
-                      result.oom_trials, result.steps)  # fmt: skip
+        tally = Tally(
+            [t.batch_size for t in result.trials],
+            [t.batch_size for t in result.trials if t.fits],
+            result.oom_trials,
+            result.steps,
+        )
         traced = result.extra.get("trace") or {}
-        return Run(result.batch_size, tally, seconds, {"trace_estimate": traced.get("batch_size"),
-                   "trace_trials": traced.get("trials"), "trace_seconds": traced.get("seconds")})  # fmt: skip
+        return Run(
+            result.batch_size,
+            tally,
+            seconds,
+            {
+                "trace_estimate": traced.get("batch_size"),
+                "trace_trials": traced.get("trials"),
+                "trace_seconds": traced.get("seconds"),
+            },
+        )
 
     return run
 
@@ -244,8 +256,11 @@ def _where(error: BaseException) -> str:
     first = error
     while isinstance(first.__context__, torch.OutOfMemoryError) and not _in_trial(first.__context__):
         first = first.__context__
-    frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(first.__traceback__)
-              if "lightning" in frame.f_code.co_filename]  # fmt: skip
+    frames = [
+        frame.f_code.co_name
+        for frame, _ in traceback.walk_tb(first.__traceback__)
+        if "lightning" in frame.f_code.co_filename
+    ]
     return "Lightning's " + " > ".join(frames[-4:])
 
 

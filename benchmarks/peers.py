@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.examples import mlp
-from batchfit.files import atomic_write_text
+from batchfit.cli.examples import mlp
+from batchfit.search.files import atomic_write_text
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -102,8 +102,14 @@ def environment(started: float, load_at_start: list[float]) -> dict:
     import accelerate
     import lightning
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     return {
         "date": time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(started)),
         "machine": f"{platform.system()} {platform.release()} {platform.machine()}, {os.cpu_count()} CPU cores "
@@ -145,8 +151,11 @@ def oom_wording() -> dict:
         with device.measuring():
             torch.zeros(4096)
     except torch.OutOfMemoryError as error:
-        return {"message": str(error), "lightning_is_oom_error": is_oom_error(error),
-                "accelerate_should_reduce_batch_size": should_reduce_batch_size(error)}  # fmt: skip
+        return {
+            "message": str(error),
+            "lightning_is_oom_error": is_oom_error(error),
+            "accelerate_should_reduce_batch_size": should_reduce_batch_size(error),
+        }
     raise AssertionError("the simulated device did not raise an OOM past its capacity")
 
 
@@ -157,30 +166,34 @@ def summarize(rows: list[dict]) -> list[dict]:
     for name, _ in METHODS:
         mine = [r for r in rows if r["method"] == name]
         ratios = [r["found_over_true"] or 0.0 for r in mine]
-        summary.append({
-            "method": name,
-            "cases": len(mine),
-            "exact": sum(r["found"] == r["true"] for r in mine),
-            "median_found_over_true": statistics.median(ratios),
-            "worst_found_over_true": min(ratios),
-            "median_trials": statistics.median(r["trials"] for r in mine),
-            "worst_trials": max(r["trials"] for r in mine),
-            "median_oom_trials": statistics.median(r["oom_trials"] for r in mine),
-            "median_steps": statistics.median(r["steps"] for r in mine),
-            "median_seconds": statistics.median(r["seconds"] for r in mine),
-            "twenty_step_failures": sum(r["twenty_steps_ok"] is False for r in mine),
-            "no_answer": sum(r["found"] is None for r in mine),
-            "untested_answers": sum(r["answer_was_tested"] is False for r in mine),
-            "auto_time_ratio": statistics.median(
-                auto_seconds[(r["workload"], r["capacity"])] / r["seconds"] for r in mine if r["found"] is not None
-            ),
-            "auto_time_ratio_range": _range(
-                auto_seconds[(r["workload"], r["capacity"])] / r["seconds"] for r in mine if r["found"] is not None
-            ),
-            "no_trace_time_ratio": statistics.median(
-                no_trace_seconds[(r["workload"], r["capacity"])] / r["seconds"] for r in mine if r["found"] is not None
-            ),
-        })  # fmt: skip
+        summary.append(
+            {
+                "method": name,
+                "cases": len(mine),
+                "exact": sum(r["found"] == r["true"] for r in mine),
+                "median_found_over_true": statistics.median(ratios),
+                "worst_found_over_true": min(ratios),
+                "median_trials": statistics.median(r["trials"] for r in mine),
+                "worst_trials": max(r["trials"] for r in mine),
+                "median_oom_trials": statistics.median(r["oom_trials"] for r in mine),
+                "median_steps": statistics.median(r["steps"] for r in mine),
+                "median_seconds": statistics.median(r["seconds"] for r in mine),
+                "twenty_step_failures": sum(r["twenty_steps_ok"] is False for r in mine),
+                "no_answer": sum(r["found"] is None for r in mine),
+                "untested_answers": sum(r["answer_was_tested"] is False for r in mine),
+                "auto_time_ratio": statistics.median(
+                    auto_seconds[(r["workload"], r["capacity"])] / r["seconds"] for r in mine if r["found"] is not None
+                ),
+                "auto_time_ratio_range": _range(
+                    auto_seconds[(r["workload"], r["capacity"])] / r["seconds"] for r in mine if r["found"] is not None
+                ),
+                "no_trace_time_ratio": statistics.median(
+                    no_trace_seconds[(r["workload"], r["capacity"])] / r["seconds"]
+                    for r in mine
+                    if r["found"] is not None
+                ),
+            }
+        )
     return summary
 
 
@@ -195,16 +208,25 @@ def targets(summary: list[dict]) -> list[dict]:
     binsearch = next(s for s in summary if s["method"] == "Lightning binsearch")
     no_trace, low, high = binsearch["no_trace_time_ratio"], *binsearch["auto_time_ratio_range"]
     return [
-        {"target": "exact edge on every case", "value": f"{auto['exact']}/{auto['cases']}",
-         "met": auto["exact"] == auto["cases"]},
+        {
+            "target": "exact edge on every case",
+            "value": f"{auto['exact']}/{auto['cases']}",
+            "met": auto["exact"] == auto["cases"],
+        },
         {"target": "median trials <= 4", "value": auto["median_trials"], "met": auto["median_trials"] <= 4},
         {"target": "median OOM trials <= 1", "value": auto["median_oom_trials"], "met": auto["median_oom_trials"] <= 1},
-        {"target": "zero failures in the 20-step check", "value": auto["twenty_step_failures"],
-         "met": auto["twenty_step_failures"] == 0},
-        {"target": "wall time < 1/3 of Lightning binsearch (median of per-case ratios)",
-         "value": round(binsearch["auto_time_ratio"], 3), "met": binsearch["auto_time_ratio"] < 1 / 3,
-         "context": f"per case {low:.2f} to {high:.2f}; without its trace (trace=False) auto takes {no_trace:.3f}"},
-    ]  # fmt: skip
+        {
+            "target": "zero failures in the 20-step check",
+            "value": auto["twenty_step_failures"],
+            "met": auto["twenty_step_failures"] == 0,
+        },
+        {
+            "target": "wall time < 1/3 of Lightning binsearch (median of per-case ratios)",
+            "value": round(binsearch["auto_time_ratio"], 3),
+            "met": binsearch["auto_time_ratio"] < 1 / 3,
+            "context": f"per case {low:.2f} to {high:.2f}; without its trace (trace=False) auto takes {no_trace:.3f}",
+        },
+    ]
 
 
 def require_peers() -> None:

@@ -159,7 +159,7 @@ def method_notes(results: dict) -> list[str]:
     return [
         "## How each method ran",
         "",
-        "- **batchfit `auto`**: `bf.search(workload, device=SimulatedDevice(capacity))` with its defaults: the edge "
+        "- **batchfit `auto`**: `bf.search_workload(workload, device=SimulatedDevice(capacity))` with its defaults: the edge "
         "is traced on fake tensors (`TraceDevice`), then real trials verify it and one more. Trials, OOMs and steps "
         "count real trials only; the trace's estimate and time are in the run's row, and its time is in the seconds.",
         "- **`auto, no trace`**: the same with `trace=False`. **`power`**: batchfit's doubling, then bisection.",
@@ -248,6 +248,13 @@ def lightning_crashes(results: dict) -> list[str]:
 
 
 def write_report(results: dict) -> str:
-    lines = [*header(results), *target_table(results), *auto_misses(results), *summary_table(results),
-             *case_matrix(results), *method_notes(results), *every_run(results)]  # fmt: skip
+    lines = [
+        *header(results),
+        *target_table(results),
+        *auto_misses(results),
+        *summary_table(results),
+        *case_matrix(results),
+        *method_notes(results),
+        *every_run(results),
+    ]
     return "\n".join(lines)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import batchfit as bf
-from batchfit.files import atomic_write_text
+from batchfit.search.files import atomic_write_text
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "tests"))
@@ -66,8 +66,10 @@ def run_faults(count: int) -> Campaign:
         done.append(outcome)
         bad = outcome.problems or outcome.state_differences or outcome.leaked_bytes or outcome.wrong_edge_after
         if bad or len(done) % 50 == 0:
-            log(f"  {len(done)}/{count} {outcome.case}/{outcome.method} {outcome.kind} in {outcome.fired_phase}"
-                f"{' PROBLEM' if bad else ''}")  # fmt: skip
+            log(
+                f"  {len(done)}/{count} {outcome.case}/{outcome.method} {outcome.kind} in {outcome.fired_phase}"
+                f"{' PROBLEM' if bad else ''}"
+            )
 
     return run_campaign(count, seed=SEED, progress=progress)
 
@@ -102,13 +104,18 @@ def fault_section(campaign: Campaign) -> list[str]:
     for kind in KINDS:
         cells = [str(matrix[(kind, phase)]) for phase in PHASES]
         lines.append(f"| {kind} | " + " | ".join(cells) + f" | {figures['by_kind'].get(kind, 0)} |")
-    lines += ["", "| method | injections | state differences | leaks | wrong edges after | search problems |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "| method | injections | state differences | leaks | wrong edges after | search problems |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, _strategy, _trace in METHODS:
         mine = [o for o in done if o.method == label]
-        lines.append(f"| {label} | {len(mine)} | {sum(bool(o.state_differences) for o in mine)} | "
-                     f"{sum(o.leaked_bytes != 0 for o in mine)} | {sum(o.wrong_edge_after for o in mine)} | "
-                     f"{sum(bool(o.problems) for o in mine)} |")  # fmt: skip
+        lines.append(
+            f"| {label} | {len(mine)} | {sum(bool(o.state_differences) for o in mine)} | "
+            f"{sum(o.leaked_bytes != 0 for o in mine)} | {sum(o.wrong_edge_after for o in mine)} | "
+            f"{sum(bool(o.problems) for o in mine)} |"
+        )
     lines += [
         "",
         "- `oom` is a `torch.OutOfMemoryError`, `oom-message` a `RuntimeError` with a CUDA OOM message: each must fail "
@@ -153,8 +160,10 @@ def bad_input_section(checked: list[Checked]) -> list[str]:
         if c.case.known_issue and not c.problems:
             result = "fixed: remove known_issue"
         said = c.seen.replace("|", "\\|")[:150]
-        lines.append(f"| {c.case.id} | {c.case.surface}{' (usage)' if c.case.usage else ''} | {c.case.category} | "
-                     f"{result} | `{said}` |")  # fmt: skip
+        lines.append(
+            f"| {c.case.id} | {c.case.surface}{' (usage)' if c.case.usage else ''} | {c.case.category} | "
+            f"{result} | `{said}` |"
+        )
     lines += ["", "Known issues (the table expects them to fail until fixed):", ""]
     lines += [f"- `{c.case.id}`: {c.case.known_issue}" for c in checked if c.case.known_issue]
     failed = [c for c in working if c.problems]
@@ -200,16 +209,34 @@ def summary(campaign: Campaign, checked: list[Checked], endurance: dict[str, Any
         ("state differences after an injection", f["state_differences"], "0", f["state_differences"] == 0),
         ("leaks after an injection", f["leaks"], "0", f["leaks"] == 0),
         ("wrong edges in the next search", f["wrong_edges_after"], "0", f["wrong_edges_after"] == 0),
-        ("errors not propagated unchanged / OOMs not a failed trial", f["search_problems"], "0", f["search_problems"] == 0),
+        (
+            "errors not propagated unchanged / OOMs not a failed trial",
+            f["search_problems"],
+            "0",
+            f["search_problems"] == 0,
+        ),
         ("problems in clean searches", f["clean_run_problems"], "0", f["clean_run_problems"] == 0),
-        ("bad inputs that behave", f"{bad_ok}/{len(working)} ({len(checked)} in the table)", "all, >= 25",
-         bad_ok == len(working) >= 25),
+        (
+            "bad inputs that behave",
+            f"{bad_ok}/{len(working)} ({len(checked)} in the table)",
+            "all, >= 25",
+            bad_ok == len(working) >= 25,
+        ),
         ("endurance searches", endurance["searches"], ">= 1000", endurance["searches"] >= ENDURANCE_SEARCHES),
-        ("endurance: device bytes growth", endurance["max_extra_live_bytes"], "0", endurance["max_extra_live_bytes"] == 0),
-        ("endurance: RSS growth after warm-up", f"{endurance['rss_growth_after_warmup_mib']:.2f} MiB",
-         f"<= {RSS_BOUND_MIB:g} MiB", endurance["rss_growth_after_warmup_mib"] <= RSS_BOUND_MIB),
+        (
+            "endurance: device bytes growth",
+            endurance["max_extra_live_bytes"],
+            "0",
+            endurance["max_extra_live_bytes"] == 0,
+        ),
+        (
+            "endurance: RSS growth after warm-up",
+            f"{endurance['rss_growth_after_warmup_mib']:.2f} MiB",
+            f"<= {RSS_BOUND_MIB:g} MiB",
+            endurance["rss_growth_after_warmup_mib"] <= RSS_BOUND_MIB,
+        ),
         ("endurance: wrong edges", endurance["wrong_edges"], "0", endurance["wrong_edges"] == 0),
-    ]  # fmt: skip
+    ]
     lines = ["## Summary", "", "| figure | value | target | met |", "|---|---|---|---|"]
     lines += [f"| {name} | {value} | {target} | {'yes' if met else '**no**'} |" for name, value, target, met in rows]
     return [*lines, ""], all(met for *_rest, met in rows)
@@ -249,11 +276,19 @@ def main() -> None:
     if options.quick:  # a try-out: the report keeps the full run's figures
         sys.exit(0 if met else 1)
     atomic_write_text(HERE / "RELIABILITY.md", "\n".join(lines))
-    document = {"faults": campaign.figures(), "edges": campaign.edges, "clean_problems": campaign.clean_problems,
-                "failures": [vars(o) for o in campaign.failures()],
-                "bad_inputs": [{"id": c.case.id, "problems": c.problems, "said": c.seen, "known_issue": c.case.known_issue}
-                               for c in checked],
-                "endurance": {k: v for k, v in endurance.items()}, "seconds": seconds, "targets_met": met}  # fmt: skip
+    document = {
+        "faults": campaign.figures(),
+        "edges": campaign.edges,
+        "clean_problems": campaign.clean_problems,
+        "failures": [vars(o) for o in campaign.failures()],
+        "bad_inputs": [
+            {"id": c.case.id, "problems": c.problems, "said": c.seen, "known_issue": c.case.known_issue}
+            for c in checked
+        ],
+        "endurance": {k: v for k, v in endurance.items()},
+        "seconds": seconds,
+        "targets_met": met,
+    }
     atomic_write_text(HERE / "reliability.json", json.dumps(document, indent=1) + "\n")
     log(f"wrote benchmarks/RELIABILITY.md and benchmarks/reliability.json in {seconds:.0f} s")
     sys.exit(0 if met else 1)

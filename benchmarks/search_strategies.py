@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.examples import cnn_small
-from batchfit.examples import gpt_tiny
-from batchfit.examples import mlp
-from batchfit.files import atomic_write_text
-from batchfit.probe import Prober
+from batchfit.cli.examples import cnn_small
+from batchfit.cli.examples import gpt_tiny
+from batchfit.cli.examples import mlp
+from batchfit.search.files import atomic_write_text
+from batchfit.search.prober import Prober
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "tests"))
@@ -88,7 +88,7 @@ def run() -> list[dict]:
             truth = edges[f"{build.__module__}.{build.__name__}@{capacity}/torch{torch.__version__}"]
             for label, strategy, trace in METHODS:
                 device = bf.SimulatedDevice(capacity)
-                result = bf.search(build(), device=device, strategy=strategy, max_batch_size=CAP, trace=trace)
+                result = bf.search_workload(build(), device=device, strategy=strategy, max_batch_size=CAP, trace=trace)
                 rows.append(
                     {
                         "workload": name,

@@ -18,23 +18,33 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.examples import cnn_small
-from batchfit.examples import gpt_tiny
-from batchfit.files import atomic_write_text
+from batchfit.cli.examples import cnn_small
+from batchfit.cli.examples import gpt_tiny
+from batchfit.search.files import atomic_write_text
 
 HERE = Path(__file__).parent
 CAP = 256  # seed 002's --batch_size: the upper limit, the same for every method
 # Seed 002-style tables, tuned by hand for these grids (as a user of the seed would)
-SEQ_RULES = {"base_batch_size": CAP, "knobs": {
-    "seq_len": [{"upto": 32, "scale": 1.0}, {"upto": 64, "scale": 0.5}, {"upto": 128, "scale": 0.25}, {"scale": 0.1}],
-    "layers": {"ratio_of": 1}}}  # fmt: skip
-IMAGE_RULES = {"base_batch_size": CAP, "knobs": {
-    "image_size": [{"upto": 16, "scale": 1.0}, {"upto": 32, "scale": 0.5}, {"scale": 0.2}]}}  # fmt: skip
+SEQ_RULES = {
+    "base_batch_size": CAP,
+    "knobs": {
+        "seq_len": [
+            {"upto": 32, "scale": 1.0},
+            {"upto": 64, "scale": 0.5},
+            {"upto": 128, "scale": 0.25},
+            {"scale": 0.1},
+        ],
+        "layers": {"ratio_of": 1},
+    },
+}
+IMAGE_RULES = {
+    "base_batch_size": CAP,
+    "knobs": {"image_size": [{"upto": 16, "scale": 1.0}, {"upto": 32, "scale": 0.5}, {"scale": 0.2}]},
+}
 GRIDS = [
-    ("gpt-tiny: seq_len x layers", gpt_tiny, {"seq_len": [32, 64, 96, 128, 192], "layers": [1, 2]}, "96MiB",
-     SEQ_RULES),
+    ("gpt-tiny: seq_len x layers", gpt_tiny, {"seq_len": [32, 64, 96, 128, 192], "layers": [1, 2]}, "96MiB", SEQ_RULES),
     ("cnn-small: image_size", cnn_small, {"image_size": [16, 24, 32, 40, 48, 64]}, "160MiB", IMAGE_RULES),
-]  # fmt: skip
+]
 METHODS = [
     ("default (auto; model, trace, rules)", {}),
     ("auto, trace first", {"estimate": ("trace", "model")}),
@@ -53,8 +63,16 @@ def confirmed(record: dict) -> bool:
 
 def run(factory, grid, capacity, rules, options) -> dict:
     start = time.perf_counter()
-    result = bf.sweep(factory, grid, device=f"sim:{capacity}", max_batch_size=CAP, rules=rules, cache=False,
-                      log=lambda line: None, **options)  # fmt: skip
+    result = bf.sweep_grid(
+        factory,
+        grid,
+        device=f"sim:{capacity}",
+        max_batch_size=CAP,
+        rules=rules,
+        cache=False,
+        log=lambda line: None,
+        **options,
+    )
     seconds = time.perf_counter() - start
     records = result.records
     return {
@@ -77,8 +95,10 @@ def main() -> None:
             reference = reference or outcome["answers"]
             short = sum(a < r for a, r in zip(outcome["answers"], reference, strict=True))
             data.append({"grid": label, "capacity": capacity, "method": method, **outcome, "short_of_edge": short})
-            rows.append(f"| {label} | {capacity} | {method} | {outcome['trials']} | {outcome['oom_trials']} | "
-                        f"{outcome['confirmed']}/{outcome['configurations']} | {short} | {outcome['seconds']:.1f} |")  # fmt: skip
+            rows.append(
+                f"| {label} | {capacity} | {method} | {outcome['trials']} | {outcome['oom_trials']} | "
+                f"{outcome['confirmed']}/{outcome['configurations']} | {short} | {outcome['seconds']:.1f} |"
+            )
             print(rows[-1], flush=True)
     header = [
         "# Sweep: trials across a per-configuration sweep (seed 002)",

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.estimate import estimate_workload
-from batchfit.examples import TinyGPT
-from batchfit.examples import next_token_loss
-from batchfit.files import atomic_write_text
-from batchfit.units import format_bytes
+from batchfit.cli.examples import TinyGPT
+from batchfit.cli.examples import next_token_loss
+from batchfit.devices.units import format_bytes
+from batchfit.search.estimate import estimate_workload
+from batchfit.search.files import atomic_write_text
 
 HERE = Path(__file__).parent
 
@@ -47,7 +47,7 @@ def main() -> None:
         rows.append((batch_size, seconds, estimate, rss_growth))
         print(f"batch {batch_size}: {seconds:.2f} s, peak {format_bytes(estimate.peak_bytes)}", flush=True)
     start = time.perf_counter()
-    largest = bf.search(work, device=bf.TraceDevice("a100-80gb"))
+    largest = bf.search_workload(work, device=bf.TraceDevice("a100-80gb"))
     search_seconds = time.perf_counter() - start
     lines = [
         "# Trace cost",

@@ -78,7 +78,7 @@ def _sweep(grid: Any, **options: Any) -> Callable[[Path], Any]:
         rest = dict(options)
         path, factory = rest.pop("results_path", None), rest.pop("factory", _tiny_factory)
         results = None if path is None else tmp / path
-        return bf.sweep(factory, grid, device="sim:1MiB", cache=False, results_path=results, **rest)
+        return bf.sweep_grid(factory, grid, device="sim:1MiB", cache=False, results_path=results, **rest)
 
     return call
 
@@ -300,8 +300,10 @@ def _check_cli(case: BadInput, tmp: Path, invoke: Callable[[list[str]], Any], se
     stderr, uncaught = result.stderr, result.exception
     if isinstance(uncaught, SystemExit):
         uncaught = None
-    seen.append(f"exit {result.exit_code}: " + (f"a traceback, {type(uncaught).__name__}: {uncaught}" if uncaught
-                                                  else " ".join(stderr.split())))  # fmt: skip
+    seen.append(
+        f"exit {result.exit_code}: "
+        + (f"a traceback, {type(uncaught).__name__}: {uncaught}" if uncaught else " ".join(stderr.split()))
+    )
     problems = [] if result.exit_code == 2 else [f"exit code {result.exit_code}, not 2"]
     if uncaught is not None:
         problems.append(f"an uncaught {type(uncaught).__name__}: {str(uncaught)[:120]}")
@@ -342,7 +344,7 @@ def cli_invoker() -> Callable[[list[str]], Any]:
     """typer's CliRunner on the batchfit app, wide enough that no message wraps."""
     from typer.testing import CliRunner
 
-    from batchfit.cli import app
+    from batchfit.cli.app import app
 
     runner = CliRunner()
     return lambda args: runner.invoke(app, args, env={"COLUMNS": "200"})

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import settings
 
 import batchfit as bf
-from batchfit.probe import Prober
+from batchfit.search.prober import Prober
 
 sys.path.insert(0, str(Path(__file__).parent))
 

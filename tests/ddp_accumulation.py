@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from batchfit.accumulate import GradientAccumulator
+from batchfit.runtime.accumulate import GradientAccumulator
 
 
 def main() -> None:
@@ -25,8 +25,9 @@ def main() -> None:
     )
     model.module.load_state_dict(reference.state_dict())
     share = slice(rank * 10 // world, (rank + 1) * 10 // world)  # 5 samples a rank, micro-batches of 2, 2, 1
-    accumulator = GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2,
-                                      loss_fn=torch.nn.functional.mse_loss)  # fmt: skip
+    accumulator = GradientAccumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2, loss_fn=torch.nn.functional.mse_loss
+    )
     accumulator.accumulate((inputs[share], targets[share]))
     difference = max(float((p.grad - e).abs().max()) for p, e in zip(model.parameters(), expected, strict=True))
     if rank == 0:

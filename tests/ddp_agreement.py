@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import batchfit as bf
-from batchfit.microbatch import Microbatcher
+from batchfit.runtime.microbatch import Microbatcher
 
 
 def model_and_batch(samples: int):
@@ -42,14 +42,24 @@ def main() -> None:
     model, (inputs, targets) = model_and_batch(samples)
     mine = slice(rank * samples, (rank + 1) * samples)
     probe_model = copy.deepcopy(model)
-    found = bf.find_max_batch_size(probe_model, (inputs[mine], targets[mine]), loss_fn=F.mse_loss,
-                                   optimizer=torch.optim.SGD(probe_model.parameters(), lr=0.1),
-                                   device=bf.SimulatedDevice(capacity), max_batch_size=samples)  # fmt: skip
+    found = bf.find_max_batch_size(
+        probe_model,
+        (inputs[mine], targets[mine]),
+        loss_fn=F.mse_loss,
+        optimizer=torch.optim.SGD(probe_model.parameters(), lr=0.1),
+        device=bf.SimulatedDevice(capacity),
+        max_batch_size=samples,
+    )
 
     reference = copy.deepcopy(model)
     ddp = DistributedDataParallel(model)
-    batcher = Microbatcher(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), loss_fn=F.mse_loss,
-                           device=bf.SimulatedDevice(capacity), micro_batch_size=samples)  # fmt: skip
+    batcher = Microbatcher(
+        ddp,
+        torch.optim.SGD(ddp.parameters(), lr=0.1),
+        loss_fn=F.mse_loss,
+        device=bf.SimulatedDevice(capacity),
+        micro_batch_size=samples,
+    )
     batcher.step((inputs[mine], targets[mine]))
     F.mse_loss(reference(inputs), targets).backward()  # the full batch of both ranks, on one process
     with torch.no_grad():

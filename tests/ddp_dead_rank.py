@@ -19,8 +19,12 @@ def main() -> None:
     model = torch.nn.Linear(8, 2)
     start = time.perf_counter()
     try:
-        bf.find_max_batch_size(model, (torch.randn(4, 8), torch.randint(0, 2, (4,))), loss_fn=torch.nn.functional.cross_entropy,
-                               device=bf.SimulatedDevice("1MiB"))  # fmt: skip
+        bf.find_max_batch_size(
+            model,
+            (torch.randn(4, 8), torch.randint(0, 2, (4,))),
+            loss_fn=torch.nn.functional.cross_entropy,
+            device=bf.SimulatedDevice("1MiB"),
+        )
         outcome = {"error": None}
     except RuntimeError as error:
         outcome = {"error": str(error)}

@@ -27,7 +27,9 @@ def alone(capacity: str) -> int:
     module = Classifier()
     optimizer = torch.optim.Adam(module.net.parameters(), lr=1e-3)
     workload = bf.Workload(module.net, sample(), F.cross_entropy, optimizer)
-    return bf.search(workload, device=bf.SimulatedDevice(capacity), agree=False, margin=LOOP_HEADROOM).batch_size
+    return bf.search_workload(
+        workload, device=bf.SimulatedDevice(capacity), agree=False, margin=LOOP_HEADROOM
+    ).batch_size
 
 
 def main() -> None:
@@ -38,8 +40,14 @@ def main() -> None:
     callback = BatchFit(global_batch_size=3000, device=bf.SimulatedDevice(CAPACITIES[rank]))
     fitter.callbacks.append(callback)
     fitter.fit(module)
-    report = {"batch_size": callback.result.batch_size, "largest": (callback.result.one_step or callback.result.search).batch_size, "accumulate": fitter.accumulate_grad_batches,
-              "rows_seen": module.rows_seen, "rank0_alone": alone(CAPACITIES[0]), "rank1_alone": alone(CAPACITIES[1])}  # fmt: skip
+    report = {
+        "batch_size": callback.result.batch_size,
+        "largest": (callback.result.one_step or callback.result.search).batch_size,
+        "accumulate": fitter.accumulate_grad_batches,
+        "rows_seen": module.rows_seen,
+        "rank0_alone": alone(CAPACITIES[0]),
+        "rank1_alone": alone(CAPACITIES[1]),
+    }
     Path(f"{out}.{rank}").write_text(json.dumps(report))
 
 

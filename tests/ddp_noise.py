@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import batchfit as bf
-from batchfit.noise import NoiseScaleEstimator
+from batchfit.planning.noise import NoiseScaleEstimator
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_noise import loader
@@ -27,8 +27,9 @@ def main() -> None:
     ddp = DistributedDataParallel(model)
     noise = bf.measure_noise_scale(ddp, halves, loss_fn=F.mse_loss, steps=40)
     estimator = NoiseScaleEstimator()  # passively, inside gradient accumulation over DDP
-    accumulator = bf.GradientAccumulator(ddp, torch.optim.SGD(ddp.parameters(), lr=0.0), loss_fn=F.mse_loss,
-                                         micro_batch_size=8, noise=estimator)  # fmt: skip
+    accumulator = bf.GradientAccumulator(
+        ddp, torch.optim.SGD(ddp.parameters(), lr=0.0), loss_fn=F.mse_loss, micro_batch_size=8, noise=estimator
+    )
     again = ((x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]) for x, y in loader(inputs, targets, 16))
     for _ in range(40):
         accumulator.step(next(again))

@@ -21,10 +21,21 @@ def main() -> None:
     device = bf.SimulatedDevice("768KiB" if rank == 1 else "1MiB")
     runs = []
     for name in ("first.json", "second.json"):
-        result = bf.sweep(decoder, {"seq_len": [8, 16]}, device=device, results_path=out.parent / name,
-                          cache=out.parent / "cache", log=lambda line: None)  # fmt: skip
-        runs.append({"sizes": [r["batch_size_used"] for r in result.records], "trials": result.total_trials,
-                     "starts": [r.get("starting_with") for r in result.records]})  # fmt: skip
+        result = bf.sweep_grid(
+            decoder,
+            {"seq_len": [8, 16]},
+            device=device,
+            results_path=out.parent / name,
+            cache=out.parent / "cache",
+            log=lambda line: None,
+        )
+        runs.append(
+            {
+                "sizes": [r["batch_size_used"] for r in result.records],
+                "trials": result.total_trials,
+                "starts": [r.get("starting_with") for r in result.records],
+            }
+        )
     Path(f"{out}.{rank}").write_text(json.dumps(runs))
     dist.barrier()
     dist.destroy_process_group()

@@ -20,7 +20,7 @@ from dataclasses import field
 from typing import Any
 
 import batchfit as bf
-from batchfit.probe import Prober
+from batchfit.search.prober import Prober
 from fault_injection import train_a_little
 from models import Case
 from reliability_campaign import METHODS
@@ -117,7 +117,7 @@ def run_endurance(
             _count_objects(run, index)
         bench = benches[index % len(benches)]
         label, strategy, trace = cycle[(index // len(benches)) % len(cycle)]
-        result = bf.search(bench.work, device=bench.device, strategy=strategy, trace=trace)
+        result = bf.search_workload(bench.work, device=bench.device, strategy=strategy, trace=trace)
         run.methods.append(label)
         run.extra_live_bytes.append(bench.device.live_bytes() - bench.baseline_bytes)
         run.rss_bytes.append(rss_bytes())

@@ -32,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import batchfit as bf
-from batchfit.workload import compute_loss
+from batchfit.step.workload import compute_loss
 
 PHASES = ("batch", "forward", "backward", "optimizer")
 OOM_KINDS = ("oom", "oom-message")  # torch.OutOfMemoryError, and a CUDA OOM message in a RuntimeError

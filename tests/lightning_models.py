@@ -99,6 +99,13 @@ class Recorder(pl.loggers.Logger):
 
 
 def trainer(**overrides) -> pl.Trainer:
-    settings = {"accelerator": "cpu", "devices": 1, "max_steps": 3, "enable_checkpointing": False,
-                "enable_progress_bar": False, "enable_model_summary": False, "logger": False}  # fmt: skip
+    settings = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 3,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "logger": False,
+    }
     return pl.Trainer(**{**settings, **overrides})

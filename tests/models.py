@@ -10,9 +10,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.examples import MLPClassifier
-from batchfit.examples import TinyGPT
-from batchfit.examples import next_token_loss
+from batchfit.cli.examples import MLPClassifier
+from batchfit.cli.examples import TinyGPT
+from batchfit.cli.examples import next_token_loss
 
 
 def mlp_tuple() -> bf.Workload:
@@ -25,10 +25,16 @@ def mlp_tuple() -> bf.Workload:
 def cnn_bn() -> bf.Workload:
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10),
-    )  # fmt: skip
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
     batch = (torch.randn(3, 3, 8, 8), torch.randint(0, 10, (3,)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return bf.Workload(model, batch, F.cross_entropy, optimizer, name="cnn")
@@ -76,5 +82,12 @@ def decoder(seq_len: int = 8, layers: int = 1, mode: str = "train", max_new_toke
     model = TinyGPT(vocab=64, dim=32, heads=2, layers=layers, max_len=seq_len + extra)
     tokens = torch.randint(0, 64, (3, seq_len + 1))
     optimizer = torch.optim.AdamW(model.parameters())
-    return bf.Workload(model, (tokens[:, :-1], tokens[:, 1:]), next_token_loss, optimizer, mode=mode,
-                       max_new_tokens=max_new_tokens, name="decoder")  # fmt: skip
+    return bf.Workload(
+        model,
+        (tokens[:, :-1], tokens[:, 1:]),
+        next_token_loss,
+        optimizer,
+        mode=mode,
+        max_new_tokens=max_new_tokens,
+        name="decoder",
+    )

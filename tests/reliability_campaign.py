@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.probe import Prober
+from batchfit.search.prober import Prober
 from fault_injection import KINDS
 from fault_injection import Fault
 from fault_injection import FaultyDevice
@@ -116,7 +116,7 @@ class Target:
 
     def search(self, label: str) -> bf.SearchResult:
         _label, strategy, trace = next(m for m in METHODS if m[0] == label)
-        return bf.search(self.work, device=self.device, strategy=strategy, trace=trace)
+        return bf.search_workload(self.work, device=self.device, strategy=strategy, trace=trace)
 
     def record(self, label: str) -> bf.SearchResult:
         self.injector.reset(recording=True)
@@ -227,7 +227,7 @@ def _check_aftermath(target: Target, outcome: Outcome) -> None:
     outcome.leaked_bytes = target.device.live_bytes() - target.baseline_bytes
     outcome.state_differences = differences(target.before, fingerprint(target.work))
     try:
-        after = bf.search(target.work, device=target.device, strategy="auto", trace=False)
+        after = bf.search_workload(target.work, device=target.device, strategy="auto", trace=False)
     except bf.NoBatchFitsError:
         outcome.wrong_edge_after = True
     else:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from batchfit.accumulate import GradientAccumulator
+from batchfit.runtime.accumulate import GradientAccumulator
 from test_distributed import torchrun
 
 
@@ -73,8 +73,13 @@ def test_weights_can_count_tokens_instead_of_samples():
 
     expected_model, _ = model_and_batch()
     step(expected_model, batch).backward()
-    accumulator = GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4, step_fn=step,
-                                      sample_weight=lambda b: int(b["tokens"].sum()))  # fmt: skip
+    accumulator = GradientAccumulator(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        micro_batch_size=4,
+        step_fn=step,
+        sample_weight=lambda b: int(b["tokens"].sum()),
+    )
     accumulator.accumulate(batch)
     for mine, want in zip(model.parameters(), expected_model.parameters(), strict=True):
         torch.testing.assert_close(mine.grad, want.grad, rtol=0, atol=1e-10)

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from batchfit.batching import batch_length
-from batchfit.batching import bytes_per_sample
-from batchfit.batching import resize_batch
-from batchfit.batching import tensor_leaves
+from batchfit.step.batching import batch_length
+from batchfit.step.batching import bytes_per_sample
+from batchfit.step.batching import resize_batch
+from batchfit.step.batching import tensor_leaves
 
 Pair = namedtuple("Pair", ["inputs", "labels"])
 
@@ -95,7 +95,7 @@ def test_bad_batches_name_the_fix(batch, message):
 
 
 def test_padding_to_the_longest_sequence_makes_the_worst_case():
-    from batchfit.batching import pad_sequences
+    from batchfit.step.batching import pad_sequences
 
     batch = {
         "input_ids": torch.ones(2, 3, dtype=torch.long),
@@ -116,7 +116,7 @@ def test_padding_to_the_longest_sequence_makes_the_worst_case():
 
 def test_the_search_at_the_longest_sequence_finds_a_smaller_batch():
     import batchfit as bf
-    from batchfit.examples import gpt_tiny
+    from batchfit.cli.examples import gpt_tiny
 
     work = gpt_tiny(seq_len=128)  # a model for sequences up to 128 tokens
     ids, targets = work.sample_batch

@@ -17,15 +17,24 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.cache import ResultCache
-from batchfit.cache import default_cache_dir
-from batchfit.fingerprint import fingerprint
-from batchfit.fingerprint import fingerprint_fields
-from batchfit.search.runner import search
+import batchfit._version
+from batchfit.search.cache import ResultCache
+from batchfit.search.cache import default_cache_dir
+from batchfit.search.fingerprint import fingerprint
+from batchfit.search.fingerprint import fingerprint_fields
+from batchfit.search.runner import search_workload
 
 
-def build(width: int = 32, features: int = 16, dtype=torch.float32, optimizer=None, loss=F.cross_entropy,
-          amp_dtype=None, mode="train", frozen=False) -> bf.Workload:  # fmt: skip
+def build(
+    width: int = 32,
+    features: int = 16,
+    dtype=torch.float32,
+    optimizer=None,
+    loss=F.cross_entropy,
+    amp_dtype=None,
+    mode="train",
+    frozen=False,
+) -> bf.Workload:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(features, width), nn.ReLU(), nn.Linear(width, 4)).to(dtype)
     if frozen:
@@ -41,8 +50,8 @@ def key(workload: bf.Workload, device=None, **settings) -> str:
 
 
 def test_a_second_identical_search_comes_from_the_cache_with_zero_trials(tmp_path):
-    first = search(build(), device="sim:1MiB", cache=tmp_path)
-    second = search(build(), device="sim:1MiB", cache=tmp_path)
+    first = search_workload(build(), device="sim:1MiB", cache=tmp_path)
+    second = search_workload(build(), device="sim:1MiB", cache=tmp_path)
     assert len(first.trials) >= 2 and not first.cached
     assert second.trials == [] and second.cached["hit"] and second.cached["trials"] == len(first.trials)
     assert (second.batch_size, second.peak_bytes, second.held_bytes) == (
@@ -51,7 +60,7 @@ def test_a_second_identical_search_comes_from_the_cache_with_zero_trials(tmp_pat
         first.held_bytes,
     )
     assert "from the result cache: no trials run now" in second.summary()
-    assert search(build(), device="sim:1MiB", cache=False).trials  # no cache: measured again
+    assert search_workload(build(), device="sim:1MiB", cache=False).trials  # no cache: measured again
 
 
 CHANGES = {
@@ -82,7 +91,7 @@ def test_device_settings_and_versions_change_the_fingerprint(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     assert key(build()) != base
     monkeypatch.undo()
-    monkeypatch.setattr(bf, "__version__", "9.9.9")
+    monkeypatch.setattr(batchfit._version, "__version__", "9.9.9")
     assert key(build()) != base
 
 
@@ -95,23 +104,25 @@ def test_what_leaves_memory_alone_still_hits():
 
 
 def test_a_changed_fingerprint_misses_end_to_end(tmp_path):
-    search(build(), device="sim:1MiB", cache=tmp_path)
-    assert search(build(width=48), device="sim:1MiB", cache=tmp_path).trials
+    search_workload(build(), device="sim:1MiB", cache=tmp_path)
+    assert search_workload(build(width=48), device="sim:1MiB", cache=tmp_path).trials
     assert len(ResultCache(tmp_path).entries()) == 2
 
 
 FINGERPRINT_SCRIPT = """
-from batchfit.examples import gpt_tiny
-from batchfit.fingerprint import fingerprint, fingerprint_fields
+from batchfit.cli.examples import gpt_tiny
+from batchfit.search.fingerprint import fingerprint, fingerprint_fields
 import batchfit as bf
 print(fingerprint(fingerprint_fields(gpt_tiny(), bf.SimulatedDevice("64MiB"), {})))
 """
 
 
 def test_the_fingerprint_is_the_same_in_another_process():
-    runs = [subprocess.run([sys.executable, "-c", FINGERPRINT_SCRIPT], capture_output=True, text=True, check=True)
-            for _ in range(2)]  # fmt: skip
-    from batchfit.examples import gpt_tiny
+    runs = [
+        subprocess.run([sys.executable, "-c", FINGERPRINT_SCRIPT], capture_output=True, text=True, check=True)
+        for _ in range(2)
+    ]
+    from batchfit.cli.examples import gpt_tiny
 
     here = fingerprint(fingerprint_fields(gpt_tiny(), bf.SimulatedDevice("64MiB"), {}))
     assert runs[0].stdout.strip() == runs[1].stdout.strip() == here
@@ -119,7 +130,7 @@ def test_the_fingerprint_is_the_same_in_another_process():
 
 HAMMER = """
 import sys, random
-from batchfit.cache import ResultCache
+from batchfit.search.cache import ResultCache
 cache = ResultCache(sys.argv[1])
 me = int(sys.argv[2])
 for i in range(150):
@@ -134,8 +145,10 @@ assert cache.disabled_reason is None, cache.disabled_reason
 
 
 def test_two_processes_hammering_the_cache_leave_it_consistent(tmp_path):
-    procs = [subprocess.Popen([sys.executable, "-c", HAMMER, str(tmp_path), str(n)], stderr=subprocess.PIPE, text=True)
-             for n in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, "-c", HAMMER, str(tmp_path), str(n)], stderr=subprocess.PIPE, text=True)
+        for n in range(2)
+    ]
     for proc in procs:
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stderr
@@ -152,21 +165,21 @@ def test_two_processes_hammering_the_cache_leave_it_consistent(tmp_path):
 def test_a_garbage_cache_file_is_reported_in_one_line_and_rebuilt(tmp_path, caplog):
     (tmp_path / "results.sqlite").write_bytes(os.urandom(8192))
     with caplog.at_level(logging.WARNING, logger="batchfit"):
-        first = search(build(), device="sim:1MiB", cache=tmp_path)
+        first = search_workload(build(), device="sim:1MiB", cache=tmp_path)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "unreadable" in warnings[0] and "rebuilt" in warnings[0]
     assert "\n" not in warnings[0]
-    second = search(build(), device="sim:1MiB", cache=tmp_path)
+    second = search_workload(build(), device="sim:1MiB", cache=tmp_path)
     assert first.trials and second.trials == [] and second.batch_size == first.batch_size
 
 
 def test_a_truncated_database_is_rebuilt_too(tmp_path):
-    search(build(), device="sim:1MiB", cache=tmp_path)
+    search_workload(build(), device="sim:1MiB", cache=tmp_path)
     path = tmp_path / "results.sqlite"
     path.write_bytes(path.read_bytes()[:200])
-    again = search(build(), device="sim:1MiB", cache=tmp_path)
+    again = search_workload(build(), device="sim:1MiB", cache=tmp_path)
     assert again.trials  # the stored answer was lost with the damage; the search measured again
-    assert search(build(), device="sim:1MiB", cache=tmp_path).trials == []
+    assert search_workload(build(), device="sim:1MiB", cache=tmp_path).trials == []
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root can write anywhere")
@@ -176,7 +189,7 @@ def test_an_unwritable_cache_folder_turns_caching_off_without_failing(tmp_path, 
     locked.chmod(0o500)
     try:
         with caplog.at_level(logging.WARNING, logger="batchfit"):
-            result = search(build(), device="sim:1MiB", cache=locked)
+            result = search_workload(build(), device="sim:1MiB", cache=locked)
     finally:
         locked.chmod(0o700)
     assert result.trials and any("caching is off" in r.getMessage() for r in caplog.records)
@@ -185,7 +198,7 @@ def test_an_unwritable_cache_folder_turns_caching_off_without_failing(tmp_path, 
 def test_a_cache_folder_that_cannot_be_made_turns_caching_off_without_failing(tmp_path, caplog):
     (tmp_path / "file").write_text("x")
     with caplog.at_level(logging.WARNING, logger="batchfit"):
-        result = search(build(), device="sim:1MiB", cache=tmp_path / "file" / "cache")
+        result = search_workload(build(), device="sim:1MiB", cache=tmp_path / "file" / "cache")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert result.trials and len(warnings) == 1 and "caching is off for this run" in warnings[0]
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from typer.testing import CliRunner
 
-from batchfit.cli import app
+from batchfit.cli.app import app
 from batchfit.search.strategies import Binary
 from batchfit.search.strategies import SearchSpace
 from strategy_harness import run_strategy
@@ -53,7 +53,7 @@ def invoke(*args: str):
 
 
 def schema() -> dict:
-    return json.loads(resources.files("batchfit").joinpath("schemas/search_result.schema.json").read_text())
+    return json.loads(resources.files("batchfit").joinpath("search/schemas/search_result.schema.json").read_text())
 
 
 def png_size(path) -> tuple[int, int]:
@@ -274,8 +274,23 @@ def test_estimate_errors_are_one_line_with_exit_code_2(args, message):
 
 def test_plan_reproduces_seed_003_and_writes_the_batch_configuration(tmp_path):
     out = tmp_path / "plan.json"
-    result = invoke("plan", "--micro-batch-size", "16", "--global-batch-tokens", "32768", "--seq-len", "256", "--devices", "1",
-                    "--base-lr", "3e-4", "--base-batch-size", "8192", "--json", str(out))  # fmt: skip
+    result = invoke(
+        "plan",
+        "--micro-batch-size",
+        "16",
+        "--global-batch-tokens",
+        "32768",
+        "--seq-len",
+        "256",
+        "--devices",
+        "1",
+        "--base-lr",
+        "3e-4",
+        "--base-batch-size",
+        "8192",
+        "--json",
+        str(out),
+    )
     assert result.exit_code == 0, result.output
     assert (
         "16 per device x 8 accumulation steps x 1 device(s) = 128 samples = 32,768 tokens per optimizer step."
@@ -315,8 +330,20 @@ def test_plan_errors_are_one_line_with_exit_code_2(args, message):
 
 def test_optimal_prints_the_table_the_fit_and_the_choice(tiny, tmp_path):
     out_json, out_png = tmp_path / "o.json", tmp_path / "o.png"
-    result = invoke("optimal", tiny, "--device", "sim:300KiB", "--max-batch-size", "64", "--timed-steps", "1",
-                    "--json", str(out_json), "--plot", str(out_png))  # fmt: skip
+    result = invoke(
+        "optimal",
+        tiny,
+        "--device",
+        "sim:300KiB",
+        "--max-batch-size",
+        "64",
+        "--timed-steps",
+        "1",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+    )
     assert result.exit_code == 0, result.output
     assert "Throughput" in result.output and "Fitted step time" in result.output and "Use batch size" in result.output
     document = json.loads(out_json.read_text())

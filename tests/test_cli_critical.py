@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 import batchfit as bf
-from batchfit.cli import app
-from batchfit.cli_critical import draws
-from batchfit.workloads import load_workload
+from batchfit.cli.app import app
+from batchfit.cli.critical import draws
+from batchfit.cli.workloads import load_workload
 
 runner = CliRunner()
 
@@ -21,14 +21,16 @@ def invoke(*args: str):
 
 def test_critical_prints_the_noise_scale_the_table_and_the_plan(tmp_path):
     out = tmp_path / "noise.json"
-    result = invoke("critical", "mlp", "--steps", "20", "--per-device-batch-size", "16", "--devices", "2",
-                    "--json", str(out))  # fmt: skip
+    result = invoke(
+        "critical", "mlp", "--steps", "20", "--per-device-batch-size", "16", "--devices", "2", "--json", str(out)
+    )
     assert result.exit_code == 0, result.output
     document = json.loads(out.read_text())
     noise = document["noise_scale"]
     work = load_workload("mlp", sample_size=512)
-    expected = bf.measure_noise_scale(work.model, draws(work.sample_batch, 64, 0), loss_fn=work.loss_fn, steps=20,
-                                      micro_batch_size=8)  # fmt: skip
+    expected = bf.measure_noise_scale(
+        work.model, draws(work.sample_batch, 64, 0), loss_fn=work.loss_fn, steps=20, micro_batch_size=8
+    )
     assert noise["b_simple"] == pytest.approx(expected.b_simple) and noise["steps"] == 20
     configuration = document["plan"]["batch_configuration"]
     assert configuration["per_gpu_batch_size"] <= 16 and configuration["devices"] == 2
@@ -39,8 +41,19 @@ def test_critical_prints_the_noise_scale_the_table_and_the_plan(tmp_path):
 
 def test_empirical_adds_seed_004s_runs(tmp_path):
     out = tmp_path / "noise.json"
-    result = invoke("critical", "mlp", "--steps", "5", "--empirical", "--batch-sizes", "8,16,32", "--samples", "256",
-                    "--json", str(out))  # fmt: skip
+    result = invoke(
+        "critical",
+        "mlp",
+        "--steps",
+        "5",
+        "--empirical",
+        "--batch-sizes",
+        "8,16,32",
+        "--samples",
+        "256",
+        "--json",
+        str(out),
+    )
     assert result.exit_code == 0, result.output
     empirical = json.loads(out.read_text())["empirical"]
     assert [p["batch_size"] for p in empirical["points"]] == [8, 16, 32]
@@ -71,15 +84,16 @@ def test_the_help_says_the_empirical_check_is_expensive():
 
 
 def test_optimal_with_a_noise_scale_reports_the_goodput_optimum(tmp_path):
-    from batchfit.noise import goodput_optimal_batch
+    from batchfit.planning.noise import goodput_optimal_batch
 
     out = tmp_path / "optimal.json"
     result = invoke("optimal", "mlp", "--device", "sim:32MiB", "--noise-scale", "400", "--json", str(out))
     assert result.exit_code == 0, result.output
     document = json.loads(out.read_text())
     found = document["goodput"]
-    line = goodput_optimal_batch(document["alpha_seconds"], document["beta_seconds_per_sample"], 400.0,
-                                 document["max_batch_size"])  # fmt: skip
+    line = goodput_optimal_batch(
+        document["alpha_seconds"], document["beta_seconds_per_sample"], 400.0, document["max_batch_size"]
+    )
     assert found["optimal_batch_size"] == line
     best = max(found["points"], key=lambda p: p["goodput"])
     assert found["best_measured_batch_size"] == best["batch_size"]

@@ -8,8 +8,8 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from batchfit.cli import app
-from batchfit.cli_sweep import parse_grid
+from batchfit.cli.app import app
+from batchfit.cli.sweep import parse_grid
 
 runner = CliRunner()
 SWEEP = ["sweep", "gpt-tiny", "--grid", "seq_len=16,32", "--device", "sim:32MiB"]
@@ -43,8 +43,9 @@ def test_sweep_prints_seed_002_lines_a_table_and_writes_the_results_file(tmp_pat
 def test_sweep_resumes_from_its_results_file(tmp_path):
     out = tmp_path / "sweep.json"
     assert invoke(*SWEEP, "--json", str(out), "--no-cache").exit_code == 0
-    result = invoke("sweep", "gpt-tiny", "--grid", "seq_len=16,32,48", "--device", "sim:32MiB", "--json", str(out),
-                    "--no-cache")  # fmt: skip
+    result = invoke(
+        "sweep", "gpt-tiny", "--grid", "seq_len=16,32,48", "--device", "sim:32MiB", "--json", str(out), "--no-cache"
+    )
     assert result.exit_code == 0, result.output
     assert result.output.count("Already measured") == 2 and "3 configurations, 6 trials" in result.output
     assert [r["seq_len"] for r in json.loads(out.read_text())["summary"]] == [16, 32, 48]
@@ -62,8 +63,20 @@ def test_generate_mode_and_rules_reach_the_sweep(tmp_path):
     rules.write_text(
         json.dumps({"base_batch_size": 100, "knobs": {"seq_len": [{"upto": 16, "scale": 0.5}, {"scale": 0.25}]}})
     )
-    result = invoke(*SWEEP, "--mode", "generate", "--max-new-tokens", "8", "--estimate", "rules", "--rules", str(rules),
-                    "--batch-size", "100", "--no-cache")  # fmt: skip
+    result = invoke(
+        *SWEEP,
+        "--mode",
+        "generate",
+        "--max-new-tokens",
+        "8",
+        "--estimate",
+        "rules",
+        "--rules",
+        str(rules),
+        "--batch-size",
+        "100",
+        "--no-cache",
+    )
     assert result.exit_code == 0, result.output
     assert "(estimated: 50, starting with: 50)" in result.output
     assert "(estimated: 25, starting with: 25)" in result.output

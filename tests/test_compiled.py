@@ -40,11 +40,13 @@ def test_a_compiled_model_is_probed_eagerly_and_left_compilable():
     torch.manual_seed(0)
     model = Net()
     batch = (torch.randn(4, 32), torch.randint(0, 4, (4,)))
-    eager = bf.find_max_batch_size(model, batch, loss_fn=F.cross_entropy, optimizer=torch.optim.Adam(model.parameters()),
-                                   device="sim:256KiB")  # fmt: skip
+    eager = bf.find_max_batch_size(
+        model, batch, loss_fn=F.cross_entropy, optimizer=torch.optim.Adam(model.parameters()), device="sim:256KiB"
+    )
     compiled = torch.compile(model, backend="eager")
-    found = bf.find_max_batch_size(compiled, batch, loss_fn=F.cross_entropy,
-                                   optimizer=torch.optim.Adam(compiled.parameters()), device="sim:256KiB")  # fmt: skip
+    found = bf.find_max_batch_size(
+        compiled, batch, loss_fn=F.cross_entropy, optimizer=torch.optim.Adam(compiled.parameters()), device="sim:256KiB"
+    )
     assert found.batch_size == eager.batch_size and found.exact
     counters.clear()
     compiled(torch.randn(5, 32))
@@ -55,9 +57,15 @@ def test_timing_a_compiled_model_leaves_it_compilable_too():
     torch.manual_seed(0)
     compiled = torch.compile(Net(), backend="eager")
     batch = (torch.randn(4, 32), torch.randint(0, 4, (4,)))
-    result = bf.find_optimal_batch_size(compiled, batch, loss_fn=F.cross_entropy,
-                                        optimizer=torch.optim.Adam(compiled.parameters()), device="sim:256KiB",
-                                        max_batch_size=8, timed_steps=1)  # fmt: skip
+    result = bf.find_optimal_batch_size(
+        compiled,
+        batch,
+        loss_fn=F.cross_entropy,
+        optimizer=torch.optim.Adam(compiled.parameters()),
+        device="sim:256KiB",
+        max_batch_size=8,
+        timed_steps=1,
+    )
     assert 1 <= result.batch_size <= 8
     counters.clear()
     compiled(torch.randn(5, 32))
@@ -85,9 +93,16 @@ def out_of_memory_past_the_edge(output, target):
 def search_compiled(monkeypatch, model, **options):
     FakeCuda().patch(monkeypatch)
     batch = (torch.randn(4, 32), torch.randint(0, 4, (4,)))
-    return bf.find_max_batch_size(model, batch, loss_fn=out_of_memory_past_the_edge, strategy="binary",
-                                  optimizer=torch.optim.Adam(model.parameters()), device=AllocatorDevice(),
-                                  max_batch_size=64, **options)  # fmt: skip
+    return bf.find_max_batch_size(
+        model,
+        batch,
+        loss_fn=out_of_memory_past_the_edge,
+        strategy="binary",
+        optimizer=torch.optim.Adam(model.parameters()),
+        device=AllocatorDevice(),
+        max_batch_size=64,
+        **options,
+    )
 
 
 @pytest.mark.parametrize("dynamic", [None, False])
@@ -101,7 +116,7 @@ def test_a_compiled_model_is_probed_compiled_with_one_graph_for_every_size(monke
 
 
 def test_without_marking_the_batch_dynamic_sizes_recompile(monkeypatch):
-    monkeypatch.setattr("batchfit.probe.mark_batch_dynamic", lambda batch: None)
+    monkeypatch.setattr("batchfit.search.prober.mark_batch_dynamic", lambda batch: None)
     compiled = torch.compile(Net(), backend="aot_eager", dynamic=False)
     result = search_compiled(monkeypatch, compiled)
     assert result.extra["compile"]["recompiles"] == 5  # one graph per size: what the marking saves
@@ -126,8 +141,13 @@ def test_the_microbatcher_trains_a_compiled_model_on_the_simulated_device_and_le
     torch.manual_seed(0)
     model = Net()
     compiled = torch.compile(model, backend="eager")
-    batcher = bf.Microbatcher(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), loss_fn=F.cross_entropy,
-                              device=bf.SimulatedDevice("256KiB"), micro_batch_size=512)  # fmt: skip
+    batcher = bf.Microbatcher(
+        compiled,
+        torch.optim.SGD(compiled.parameters(), lr=0.1),
+        loss_fn=F.cross_entropy,
+        device=bf.SimulatedDevice("256KiB"),
+        micro_batch_size=512,
+    )
     batch = (torch.randn(512, 32), torch.randint(0, 4, (512,)))
     before = model.first.weight.clone()
     batcher.step(batch)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import batchfit as bf
-from batchfit.distributed import _merge
-from batchfit.trial import Trial
+from batchfit.search.distributed import _merge
+from batchfit.search.trial import Trial
 from models import decoder
 
 
@@ -24,8 +24,16 @@ def _free_port() -> int:
 
 
 def torchrun(script: str, out: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", str(Path(__file__).with_name(script)), str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(Path(__file__).with_name(script)),
+        str(out),
+    ]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}  # loopback only: the sandbox's hostname may not route
     return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
 
@@ -55,10 +63,23 @@ def test_merging_trials_keeps_the_worst_case():
 def test_a_rank_that_dies_makes_the_other_fail_clearly_within_the_timeout(tmp_path):
     out = tmp_path / "dead.json"
     script = str(Path(__file__).with_name("ddp_dead_rank.py"))
-    base = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "WORLD_SIZE": "2", "BATCHFIT_AGREEMENT_TIMEOUT_SECONDS": "5"}  # fmt: skip
-    ranks = [subprocess.Popen([sys.executable, script, str(out)], env={**base, "RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]  # fmt: skip
+    base = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "2",
+        "BATCHFIT_AGREEMENT_TIMEOUT_SECONDS": "5",
+    }
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, script, str(out)],
+            env={**base, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (0, 1)
+    ]
     try:
         codes = [process.wait(timeout=120) for process in ranks]
     finally:
@@ -77,7 +98,7 @@ def test_a_sweep_under_torchrun_agrees_writes_once_and_caches(tmp_path):
     completed = torchrun("ddp_sweep.py", out)
     assert completed.returncode == 0, completed.stderr[-3000:]
     first, second = (json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1))
-    alone = bf.sweep(decoder, {"seq_len": [8, 16]}, device="sim:768KiB", cache=False, log=lambda line: None)
+    alone = bf.sweep_grid(decoder, {"seq_len": [8, 16]}, device="sim:768KiB", cache=False, log=lambda line: None)
     expected = [r["batch_size_used"] for r in alone.records]  # what fits on the smaller device
     assert first[0]["sizes"] == second[0]["sizes"] == expected
     assert first[0]["starts"] == second[0]["starts"]  # the same estimate on both ranks

@@ -7,15 +7,15 @@ import torch
 from torch import nn
 
 import batchfit as bf
-from batchfit.examples import TinyGPT
-from batchfit.workload import Workload
+from batchfit.cli.examples import TinyGPT
+from batchfit.step.workload import Workload
 from models import decoder
 
 DEVICE = "sim:1MiB"
 
 
 def edge(workload: Workload, trace: bool = False) -> bf.SearchResult:
-    result = bf.search(workload, device=DEVICE, trace=trace)
+    result = bf.search_workload(workload, device=DEVICE, trace=trace)
     assert result.exact
     sizes = {t.batch_size: t.fits for t in result.trials}
     assert sizes[result.batch_size] and sizes.get(result.batch_size + 1) is False  # a confirmed edge
@@ -32,7 +32,7 @@ def test_generation_fits_a_smaller_batch_than_a_forward_pass_because_of_the_kv_c
 
 
 def test_the_trace_sees_the_kv_cache_to_the_byte():
-    traced = bf.search(decoder(seq_len=8, mode="generate", max_new_tokens=32), device=bf.TraceDevice("1MiB"))
+    traced = bf.search_workload(decoder(seq_len=8, mode="generate", max_new_tokens=32), device=bf.TraceDevice("1MiB"))
     real = edge(decoder(seq_len=8, mode="generate", max_new_tokens=32), trace=True)
     assert traced.batch_size == real.batch_size
     assert real.extra["trace"]["batch_size"] == real.batch_size and len(real.trials) == 2
@@ -77,7 +77,7 @@ def test_a_step_fn_is_the_generate_call():
 def test_state_and_train_mode_are_restored_after_generation():
     work = decoder(seq_len=8, mode="generate", max_new_tokens=8)
     work.model.train()
-    bf.search(work, device=DEVICE)
+    bf.search_workload(work, device=DEVICE)
     assert work.model.training and all(m.training for m in work.model.modules())
     for name, value in work.model.state_dict().items():
         assert torch.equal(value, decoder(seq_len=8, mode="generate", max_new_tokens=8).model.state_dict()[name])

@@ -30,9 +30,14 @@ CAPACITY = "6MiB"
 
 def library_answer(module: Classifier, margin: str = LOOP_HEADROOM) -> int:
     """What batchfit finds for the same step, written without Lightning."""
-    return bf.find_max_batch_size(module.net, sample(), loss_fn=F.cross_entropy,
-                                  optimizer=torch.optim.Adam(module.net.parameters(), lr=1e-3),
-                                  device=bf.SimulatedDevice(CAPACITY), margin=margin).batch_size  # fmt: skip
+    return bf.find_max_batch_size(
+        module.net,
+        sample(),
+        loss_fn=F.cross_entropy,
+        optimizer=torch.optim.Adam(module.net.parameters(), lr=1e-3),
+        device=bf.SimulatedDevice(CAPACITY),
+        margin=margin,
+    ).batch_size
 
 
 def train_within(device: bf.SimulatedDevice, run, module: Classifier) -> None:

@@ -10,9 +10,9 @@ import torch
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.examples import gpt_tiny
-from batchfit.microbatch import EvalMicrobatcher
-from batchfit.microbatch import Microbatcher
+from batchfit.cli.examples import gpt_tiny
+from batchfit.runtime.microbatch import EvalMicrobatcher
+from batchfit.runtime.microbatch import Microbatcher
 
 GLOBAL = 64
 
@@ -119,16 +119,27 @@ def test_an_oom_in_the_optimizer_step_is_undone_and_run_per_parameter(caplog):
     assert foreach > single  # AdamW's foreach temporaries set the peak; per parameter they are smaller
     capacity = (foreach + single) // 2
     other, batch = wide_model_and_batch()
-    unguarded = Microbatcher(other, torch.optim.AdamW(other.parameters(), lr=1e-3, foreach=True), loss_fn=F.mse_loss,
-                             device=bf.SimulatedDevice(capacity), micro_batch_size=4)  # fmt: skip
+    unguarded = Microbatcher(
+        other,
+        torch.optim.AdamW(other.parameters(), lr=1e-3, foreach=True),
+        loss_fn=F.mse_loss,
+        device=bf.SimulatedDevice(capacity),
+        micro_batch_size=4,
+    )
     with pytest.raises(RuntimeError, match="may have updated some parameters already: use .*guard_optimizer_step=True"):
         for _ in range(2):
             unguarded.step(batch)
 
     model, batch = wide_model_and_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)  # on CPU the default is per parameter
-    batcher = Microbatcher(model, optimizer, loss_fn=F.mse_loss, device=bf.SimulatedDevice(capacity), micro_batch_size=4,
-                           guard_optimizer_step=True)  # fmt: skip
+    batcher = Microbatcher(
+        model,
+        optimizer,
+        loss_fn=F.mse_loss,
+        device=bf.SimulatedDevice(capacity),
+        micro_batch_size=4,
+        guard_optimizer_step=True,
+    )
     with caplog.at_level("WARNING", logger="batchfit"):
         for _ in range(2):
             batcher.step(batch)
@@ -195,8 +206,14 @@ def test_it_grows_back_after_clean_steps_but_never_above_a_failure():
 def test_without_a_size_it_finds_one_on_the_first_batch():
     model, batch = model_and_batch()
     capacity = (step_peak("sgd", 16) + step_peak("sgd", 32)) // 2
-    found = bf.find_max_batch_size(model, batch, loss_fn=F.mse_loss, optimizer=make_optimizer("sgd", model),
-                                   device=bf.SimulatedDevice(capacity), max_batch_size=GLOBAL)  # fmt: skip
+    found = bf.find_max_batch_size(
+        model,
+        batch,
+        loss_fn=F.mse_loss,
+        optimizer=make_optimizer("sgd", model),
+        device=bf.SimulatedDevice(capacity),
+        max_batch_size=GLOBAL,
+    )
     batcher = Microbatcher(model, make_optimizer("sgd", model), loss_fn=F.mse_loss, device=bf.SimulatedDevice(capacity))
     batcher.step(batch)
     assert batcher.history[0].micro_batch_size == found.batch_size and batcher.history[0].samples == GLOBAL
@@ -206,8 +223,12 @@ def test_the_evaluator_shrinks_on_oom_without_touching_training():
     model, batch = model_and_batch()
     full = model(batch[0]).detach()
     trainer = Microbatcher(model, make_optimizer("sgd", model), loss_fn=F.mse_loss, micro_batch_size=64)
-    evaluator = EvalMicrobatcher(model, device=bf.SimulatedDevice(_eval_capacity(model, batch)), micro_batch_size=64,
-                                 forward_fn=lambda m, b: m(b[0]))  # fmt: skip
+    evaluator = EvalMicrobatcher(
+        model,
+        device=bf.SimulatedDevice(_eval_capacity(model, batch)),
+        micro_batch_size=64,
+        forward_fn=lambda m, b: m(b[0]),
+    )
     outputs = evaluator.run(batch)
     torch.testing.assert_close(outputs, full, rtol=0, atol=1e-12)
     assert evaluator.ooms >= 1 and evaluator.micro_batch_size < 64 and trainer.micro_batch_size == 64

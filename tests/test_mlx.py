@@ -17,7 +17,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 import batchfit as bf
-from batchfit.examples import mlp
+from batchfit.cli.examples import mlp
 from batchfit.integrations.mlx import MLX_OOM_MESSAGES
 from batchfit.integrations.mlx import MlxDevice
 from batchfit.integrations.mlx import MlxProber
@@ -27,7 +27,7 @@ from batchfit.integrations.mlx import is_mlx_oom
 from batchfit.integrations.mlx import probe_batch_size
 from batchfit.integrations.mlx import resolve_mlx_device
 from batchfit.integrations.mlx.batch import resize_batch
-from batchfit.search.runner import search
+from batchfit.search.runner import search_workload
 from batchfit.search.strategies import Binary
 from batchfit.search.strategies import SearchSpace
 from strategy_harness import run_strategy
@@ -111,7 +111,7 @@ def linear_scan() -> tuple[int, int, int]:
 @pytest.mark.parametrize("strategy", ["auto", "power", "binary", "grow"])
 def test_the_search_lands_on_the_edge_a_linear_scan_finds(strategy, linear_scan):
     capacity, first_fail, last_fit = linear_scan
-    result = search(small(), device=MlxDevice(capacity), strategy=strategy, max_batch_size=1500)
+    result = search_workload(small(), device=MlxDevice(capacity), strategy=strategy, max_batch_size=1500)
     tried = {t.batch_size: t.fits for t in result.trials}
     assert result.exact and tried[result.batch_size] and not tried[result.batch_size + 1]
     # MLX dispatches ahead of the computation, so peaks vary by about one intermediate array: the scan's
@@ -123,8 +123,15 @@ def test_the_search_lands_on_the_edge_a_linear_scan_finds(strategy, linear_scan)
 
 
 def test_an_mlx_allocation_failure_is_an_oom_and_the_edge_and_every_size_tried_are_exact():
-    result = find_max_batch_size(SmallMLP(), small().sample_batch, loss_fn=oom_above(37), optimizer=optim.SGD(0.1),
-                                 device="mlx:1GiB", strategy="binary", max_batch_size=100)  # fmt: skip
+    result = find_max_batch_size(
+        SmallMLP(),
+        small().sample_batch,
+        loss_fn=oom_above(37),
+        optimizer=optim.SGD(0.1),
+        device="mlx:1GiB",
+        strategy="binary",
+        max_batch_size=100,
+    )
     expected, answer = run_strategy(Binary(), SearchSpace(1, 100), lambda b: b <= 37)
     assert [t.batch_size for t in result.trials] == expected and result.batch_size == answer == 37
     failed = [t for t in result.trials if not t.fits]
@@ -181,7 +188,7 @@ def test_state_is_restored_bitwise_after_trials_an_oom_and_any_other_error():
     work.optimizer.update(work.model, grads)  # real optimizer state (step 1, m, v) to restore
     mx.eval(work.model.parameters(), work.optimizer.state)
     before = state_bits(work)
-    result = search(work, device=MlxDevice("64MiB"), max_batch_size=400)
+    result = search_workload(work, device=MlxDevice("64MiB"), max_batch_size=400)
     assert result.oom_trials >= 1
     assert_same(before, state_bits(work))
     boom_at.append(len(calls) + 2)  # in step 2 of the next trial, after step 1 changed everything
@@ -224,13 +231,23 @@ def test_batches_of_any_nesting_cycle_their_rows():
 
 
 def test_the_result_json_and_the_plan_are_shaped_like_torchs():
-    mlx_result = search(small(), device="mlx:2MiB", max_batch_size=200)
-    torch_result = search(mlp(), device="sim:8MiB", trace=False)
+    mlx_result = search_workload(small(), device="mlx:2MiB", max_batch_size=200)
+    torch_result = search_workload(mlp(), device="sim:8MiB", trace=False)
     mlx_dict, torch_dict = mlx_result.to_dict(), torch_result.to_dict()
     assert set(mlx_dict) == set(torch_dict)
     assert {key for t in mlx_dict["trials"] for key in t} == {key for t in torch_dict["trials"] for key in t}
-    plans = [bf.plan_batch(micro_batch_size=r.batch_size, global_batch_size=4096, devices=2, base_lr=3e-4,
-                           base_batch_size=256, dataset_size=100_000, epochs=3).to_dict() for r in (mlx_result, torch_result)]  # fmt: skip
+    plans = [
+        bf.plan_batch(
+            micro_batch_size=r.batch_size,
+            global_batch_size=4096,
+            devices=2,
+            base_lr=3e-4,
+            base_batch_size=256,
+            dataset_size=100_000,
+            epochs=3,
+        ).to_dict()
+        for r in (mlx_result, torch_result)
+    ]
     assert set(plans[0]) == set(plans[1]) and set(plans[0]["batch_configuration"]) == set(
         plans[1]["batch_configuration"]
     )

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from typer.testing import CliRunner
 
-from batchfit.cli import app
+from batchfit.cli.app import app
 
 pytest.importorskip("mlx.core", reason='MLX is not installed: pip install "batchfit[mlx]"')
 
@@ -49,7 +49,7 @@ def test_find_mlx_mlp_writes_json_that_matches_the_schema(tmp_path):
     result = invoke("find", "mlx-mlp", "--device", "mlx:12MiB", "--json", str(out))
     assert result.exit_code == 0, result.output
     document = json.loads(out.read_text())
-    schema = json.loads(resources.files("batchfit").joinpath("schemas/search_result.schema.json").read_text())
+    schema = json.loads(resources.files("batchfit").joinpath("search/schemas/search_result.schema.json").read_text())
     jsonschema.validate(document, schema)
     assert document["device"] == {"name": "mlx:cpu:12.0MiB", "simulated": True, "capacity_bytes": 12 << 20}
     assert document["workload"]["name"] == "mlx-mlp" and document["exact"]
@@ -100,7 +100,7 @@ def test_without_mlx_find_says_how_to_install_it_in_one_line(monkeypatch, user_w
 
 
 def test_import_batchfit_and_its_cli_never_import_mlx():
-    code = "import batchfit, batchfit.cli, sys; assert not [m for m in sys.modules if m.split('.')[0] == 'mlx']"
+    code = "import batchfit, batchfit.cli.app, sys; assert not [m for m in sys.modules if m.split('.')[0] == 'mlx']"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -11,11 +11,11 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.noise import NoiseScaleEstimator
-from batchfit.noise import goodput_optimal_batch
-from batchfit.noise import two_batch_estimates
-from batchfit.throughput import ThroughputPoint
-from batchfit.throughput import ThroughputResult
+from batchfit.planning.noise import NoiseScaleEstimator
+from batchfit.planning.noise import goodput_optimal_batch
+from batchfit.planning.noise import two_batch_estimates
+from batchfit.search.throughput import ThroughputPoint
+from batchfit.search.throughput import ThroughputResult
 
 POPULATION = 64
 
@@ -57,8 +57,9 @@ def test_the_estimate_matches_brute_force_within_two_percent():
     model, inputs, targets = regression()
     grad_norm_sq, trace_sigma = brute_force(model, inputs, targets)
     before = [p.detach().clone() for p in model.parameters()]
-    noise = bf.measure_noise_scale(model, loader(inputs, targets, 64), loss_fn=F.mse_loss, steps=2000,
-                                   micro_batch_size=8)  # fmt: skip
+    noise = bf.measure_noise_scale(
+        model, loader(inputs, targets, 64), loss_fn=F.mse_loss, steps=2000, micro_batch_size=8
+    )
     assert noise.grad_norm_sq == pytest.approx(grad_norm_sq, rel=0.02)
     assert noise.trace_sigma == pytest.approx(trace_sigma, rel=0.02)
     assert noise.b_simple == pytest.approx(trace_sigma / grad_norm_sq, rel=0.03)
@@ -72,21 +73,29 @@ def test_the_estimate_matches_brute_force_within_two_percent():
 def test_a_constant_on_the_loss_or_a_grad_scaler_leaves_it_unchanged():
     model, inputs, targets = regression()
     plain = bf.measure_noise_scale(model, loader(inputs, targets, 16), loss_fn=F.mse_loss, steps=30, micro_batch_size=4)
-    times = bf.measure_noise_scale(model, loader(inputs, targets, 16), loss_fn=scaled_loss(1000.0), steps=30,
-                                   micro_batch_size=4)  # fmt: skip
+    times = bf.measure_noise_scale(
+        model, loader(inputs, targets, 16), loss_fn=scaled_loss(1000.0), steps=30, micro_batch_size=4
+    )
     assert times.b_simple == pytest.approx(plain.b_simple, rel=1e-9)
     assert times.grad_norm_sq == pytest.approx(plain.grad_norm_sq * 1e6, rel=1e-9)  # the statistics are the loss's
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
-    scaled = bf.measure_noise_scale(model, loader(inputs, targets, 16), loss_fn=F.mse_loss, steps=30, micro_batch_size=4,
-                                    scaler=scaler)  # fmt: skip
+    scaled = bf.measure_noise_scale(
+        model, loader(inputs, targets, 16), loss_fn=F.mse_loss, steps=30, micro_batch_size=4, scaler=scaler
+    )
     assert (scaled.b_simple, scaled.grad_norm_sq) == pytest.approx((plain.b_simple, plain.grad_norm_sq), rel=1e-9)
 
 
 def test_a_summed_loss_is_turned_into_a_mean():
     model, inputs, targets = regression()
     mean = bf.measure_noise_scale(model, loader(inputs, targets, 16), loss_fn=F.mse_loss, steps=20, micro_batch_size=4)
-    summed = bf.measure_noise_scale(model, loader(inputs, targets, 16), steps=20, micro_batch_size=4, reduction="sum",
-                                    loss_fn=lambda out, y: F.mse_loss(out, y, reduction="sum"))  # fmt: skip
+    summed = bf.measure_noise_scale(
+        model,
+        loader(inputs, targets, 16),
+        steps=20,
+        micro_batch_size=4,
+        reduction="sum",
+        loss_fn=lambda out, y: F.mse_loss(out, y, reduction="sum"),
+    )
     assert (summed.b_simple, summed.trace_sigma) == pytest.approx((mean.b_simple, mean.trace_sigma), rel=1e-9)
 
 
@@ -94,8 +103,9 @@ def test_with_an_optimizer_it_trains_on_the_big_batch_gradient():
     model, inputs, targets = regression()
     reference = regression()[0]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    bf.measure_noise_scale(model, loader(inputs, targets, 16), loss_fn=F.mse_loss, steps=3, micro_batch_size=4,
-                           optimizer=optimizer)  # fmt: skip
+    bf.measure_noise_scale(
+        model, loader(inputs, targets, 16), loss_fn=F.mse_loss, steps=3, micro_batch_size=4, optimizer=optimizer
+    )
     data = loader(inputs, targets, 16)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
     for _ in range(3):  # plain full-batch SGD on the same batches
@@ -198,9 +208,16 @@ def test_seed_004s_method_finds_where_validation_loss_stops_holding_up():
         model = nn.Linear(8, 1)
         return model, torch.optim.SGD(model.parameters(), lr=min(lr, 0.2))  # the LR cannot scale without bound
 
-    result = bf.critical_batch_by_training(build, (inputs[:1536], targets[:1536]), (inputs[1536:], targets[1536:]),
-                                           samples=1024, base_lr=0.01, batch_sizes=sizes, loss_fn=F.mse_loss,
-                                           tolerance=0.1)  # fmt: skip
+    result = bf.critical_batch_by_training(
+        build,
+        (inputs[:1536], targets[:1536]),
+        (inputs[1536:], targets[1536:]),
+        samples=1024,
+        base_lr=0.01,
+        batch_sizes=sizes,
+        loss_fn=F.mse_loss,
+        tolerance=0.1,
+    )
     losses = {p.batch_size: p.validation_loss for p in result.points}
     assert [p.steps for p in result.points] == [1024 // b for b in sizes]
     assert [p.learning_rate for p in result.points] == pytest.approx([0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64])
@@ -209,8 +226,15 @@ def test_seed_004s_method_finds_where_validation_loss_stops_holding_up():
     assert result.critical_batch_size == 128 and losses[256] > 1.1 * best  # four steps at a capped LR fall short
     assert "up to batch size 128" in result.summary()
     with pytest.raises(ValueError, match="larger than the training data"):
-        bf.critical_batch_by_training(build, (inputs[:8], targets[:8]), (inputs, targets), samples=64, base_lr=0.1,
-                                      batch_sizes=(16,), loss_fn=F.mse_loss)  # fmt: skip
+        bf.critical_batch_by_training(
+            build,
+            (inputs[:8], targets[:8]),
+            (inputs, targets),
+            samples=64,
+            base_lr=0.1,
+            batch_sizes=(16,),
+            loss_fn=F.mse_loss,
+        )
 
 
 def test_passively_inside_gradient_accumulation_it_matches_the_active_measurement():
@@ -219,8 +243,9 @@ def test_passively_inside_gradient_accumulation_it_matches_the_active_measuremen
         model, loader(inputs, targets, 64), loss_fn=F.mse_loss, steps=25, micro_batch_size=8
     )
     estimator = NoiseScaleEstimator()
-    accumulator = bf.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn=F.mse_loss,
-                                         micro_batch_size=8, noise=estimator)  # fmt: skip
+    accumulator = bf.GradientAccumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn=F.mse_loss, micro_batch_size=8, noise=estimator
+    )
     data = loader(inputs, targets, 64)
     for _ in range(25):
         accumulator.step(next(data))
@@ -237,8 +262,14 @@ def test_the_microbatcher_measures_from_the_micro_batches_that_survived_an_oom()
         model, loader(inputs, targets, 64), loss_fn=F.mse_loss, steps=6, micro_batch_size=16
     )
     estimator = NoiseScaleEstimator()
-    batcher = bf.Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn=F.mse_loss,
-                              device=bf.SimulatedDevice("24KiB"), micro_batch_size=64, noise=estimator)  # fmt: skip
+    batcher = bf.Microbatcher(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        loss_fn=F.mse_loss,
+        device=bf.SimulatedDevice("24KiB"),
+        micro_batch_size=64,
+        noise=estimator,
+    )
     data = loader(inputs, targets, 64)
     for _ in range(6):
         batcher.step(next(data))

@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from batchfit.advice import REFERENCE_BATCHES
-from batchfit.advice import batch_schedule
-from batchfit.advice import reference
-from batchfit.advice import starting_range
-from batchfit.advice import workload_distribution
-from batchfit.lr import scale_learning_rate
-from batchfit.lr import suggested_warmup_epochs
-from batchfit.lr import warmup_need
-from batchfit.plan import plan_batch
+from batchfit.planning.advice import REFERENCE_BATCHES
+from batchfit.planning.advice import batch_schedule
+from batchfit.planning.advice import reference
+from batchfit.planning.advice import starting_range
+from batchfit.planning.advice import workload_distribution
+from batchfit.planning.lr import scale_learning_rate
+from batchfit.planning.lr import suggested_warmup_epochs
+from batchfit.planning.lr import warmup_need
+from batchfit.planning.plan import plan_batch
 
 
 def test_seed_003_worked_examples():
@@ -62,16 +62,30 @@ def test_learning_rate_rules_and_warmup_follow_the_seeds():
     assert scale_learning_rate(1e-3, 4, "none") == 1e-3
     assert [warmup_need(s) for s in (2, 4, 8, 16)] == ["none", "optional", "required", "critical"]
     assert suggested_warmup_epochs(32) == 5  # Goyal et al.'s 5 epochs at 8192 vs 256
-    plan = plan_batch(micro_batch_size=32, global_batch_size=4096, devices=8, base_lr=0.1, base_batch_size=256,
-                      dataset_size=1_281_167, epochs=90)  # fmt: skip
+    plan = plan_batch(
+        micro_batch_size=32,
+        global_batch_size=4096,
+        devices=8,
+        base_lr=0.1,
+        base_batch_size=256,
+        dataset_size=1_281_167,
+        epochs=90,
+    )
     assert plan.warmup == "critical" and plan.warmup_epochs == 4
     assert plan.steps_per_epoch == math.ceil(1_281_167 / 4096) and plan.warmup_steps == 4 * plan.steps_per_epoch
     assert plan.total_steps == 90 * plan.steps_per_epoch
 
 
 def test_the_lr_scheduler_warms_up_then_follows_cosine():
-    plan = plan_batch(micro_batch_size=32, global_batch_size=1024, devices=1, base_lr=0.1, base_batch_size=256,
-                      dataset_size=10_240, epochs=10)  # fmt: skip
+    plan = plan_batch(
+        micro_batch_size=32,
+        global_batch_size=1024,
+        devices=1,
+        base_lr=0.1,
+        base_batch_size=256,
+        dataset_size=10_240,
+        epochs=10,
+    )
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=plan.learning_rate)
     scheduler = plan.lr_scheduler(optimizer)
@@ -125,8 +139,17 @@ def test_the_warnings_the_seeds_name(kwargs, warning):
 
 
 def test_advice_is_reported_with_its_source_and_never_applied():
-    plan = plan_batch(micro_batch_size=64, global_batch_size=1024, devices=1, base_lr=0.1, base_batch_size=256,
-                      weight_decay=1e-4, capacity_gib=12, goal="memory", fine_tuning=True)  # fmt: skip
+    plan = plan_batch(
+        micro_batch_size=64,
+        global_batch_size=1024,
+        devices=1,
+        base_lr=0.1,
+        base_batch_size=256,
+        weight_decay=1e-4,
+        capacity_gib=12,
+        goal="memory",
+        fine_tuning=True,
+    )
     text = " | ".join(plan.advice)
     assert "weight decay 0.0001 -> 0.0002 (scaled by sqrt of the batch ratio; seed 001, pattern 8; heuristic)" in text
     assert "label smoothing" in text and "starts at a batch of 32-64" in text and "goal 'memory'" in text
@@ -236,8 +259,16 @@ def test_a_plan_can_carry_a_batch_size_ramp():
 
 def test_review_fixes_in_the_planner():
     # a ramp towards a token target scales the learning rate in tokens
-    plan = plan_batch(micro_batch_size=16, global_batch_tokens=65536, seq_len=256, devices=1, base_lr=3e-4,
-                      base_batch_size=65536, epochs=4, schedule_from=64)  # fmt: skip
+    plan = plan_batch(
+        micro_batch_size=16,
+        global_batch_tokens=65536,
+        seq_len=256,
+        devices=1,
+        base_lr=3e-4,
+        base_batch_size=65536,
+        epochs=4,
+        schedule_from=64,
+    )
     assert plan.schedule[-1].learning_rate == pytest.approx(3e-4) and plan.learning_rate == pytest.approx(3e-4)
     # warmup epochs become steps without a learning rate too
     plain = plan_batch(
@@ -245,8 +276,15 @@ def test_review_fixes_in_the_planner():
     )
     assert plain.warmup_steps == 10 and plain.lr_lambda()(0) == 0.0
     # a suggested warmup longer than the run is cut to fit, and said
-    short = plan_batch(micro_batch_size=64, global_batch_size=8192, devices=1, base_lr=0.1, base_batch_size=256,
-                       dataset_size=81920, epochs=2)  # fmt: skip
+    short = plan_batch(
+        micro_batch_size=64,
+        global_batch_size=8192,
+        devices=1,
+        base_lr=0.1,
+        base_batch_size=256,
+        dataset_size=81920,
+        epochs=2,
+    )
     assert short.warmup_epochs == 1 and any("do not fit a 2-epoch run" in w for w in short.warnings)
     # advice in the target's unit: 128 samples of 512 tokens against a 256-sample base is 0.5x, no advice
     assert not plan_batch(

@@ -15,12 +15,12 @@ import sys
 import pytest
 import torch
 
-import batchfit.probe
-import batchfit.state
+import batchfit.search.prober
+import batchfit.step.state
 from bad_inputs import TABLE
 from bad_inputs import check
 from bad_inputs import cli_invoker
-from batchfit.probe import Prober
+from batchfit.search.prober import Prober
 from endurance import run_endurance
 from fault_injection import KINDS
 from fault_injection import Fault
@@ -99,20 +99,20 @@ NOISY = [case for case in CAMPAIGN_CASES if case.name == "noisy_mlp"]
 
 
 def test_the_campaign_notices_an_rng_that_is_not_restored(monkeypatch):
-    monkeypatch.setattr(batchfit.state, "_restore_rng", lambda rng: None)
+    monkeypatch.setattr(batchfit.step.state, "restore_rng", lambda rng: None)
     campaign = run_campaign(4, seed=SEED, cases=NOISY, methods=["binary"])
     assert campaign.clean_problems and campaign.figures()["state_differences"] > 0
 
 
 def test_the_campaign_notices_errors_taken_for_ooms(monkeypatch):
-    monkeypatch.setattr(batchfit.probe, "is_oom", lambda error: True)
+    monkeypatch.setattr(batchfit.search.prober, "is_oom", lambda error: True)
     campaign = run_campaign(6, seed=SEED, cases=NOISY, methods=["power"])
     assert campaign.figures()["search_problems"] >= 3  # the non-OOM kinds were swallowed as failed trials
 
 
 def test_the_campaign_notices_a_leak(monkeypatch):
     kept = []
-    reset = batchfit.probe.Prober._reset
+    reset = batchfit.search.prober.Prober._reset
 
     def keep_the_error(self):
         error = sys.exc_info()[1]
@@ -120,7 +120,7 @@ def test_the_campaign_notices_a_leak(monkeypatch):
             kept.append(error)  # like a logger holding the first error: its traceback pins the trial's tensors
         reset(self)
 
-    monkeypatch.setattr(batchfit.probe.Prober, "_reset", keep_the_error)
+    monkeypatch.setattr(batchfit.search.prober.Prober, "_reset", keep_the_error)
     campaign = run_campaign(6, seed=SEED, cases=NOISY, methods=["binary"])
     assert campaign.figures()["leaks"] >= 1
 
@@ -142,8 +142,15 @@ def test_every_bad_input_gives_one_clear_line_and_leaves_no_file(tmp_path_factor
 def test_the_bad_input_table_covers_every_kind_of_mistake():
     assert len(TABLE) >= 25 and len({case.id for case in TABLE}) == len(TABLE)
     categories = {case.category for case in TABLE}
-    assert categories == {"wrong type", "empty or inconsistent batch", "nonsense capacity", "malformed grid",
-                          "malformed plan", "unreadable file", "unwritable output"}  # fmt: skip
+    assert categories == {
+        "wrong type",
+        "empty or inconsistent batch",
+        "nonsense capacity",
+        "malformed grid",
+        "malformed plan",
+        "unreadable file",
+        "unwritable output",
+    }
     working = [case for case in TABLE if not case.known_issue]
     assert sum(case.surface == "library" for case in working) >= 25
     assert sum(case.surface == "CLI" for case in working) >= 25

@@ -23,7 +23,9 @@ MAX_BATCH_SIZE = 256  # a cap for the strategies that start from the top (binary
 def test_each_strategy_finds_the_linear_scan_edge_with_the_expected_sequence(case, strategy):
     truth = linear_scan_edge(case)
     work = case.build()
-    result = bf.search(work, device=bf.SimulatedDevice(case.capacity), strategy=strategy, max_batch_size=MAX_BATCH_SIZE)
+    result = bf.search_workload(
+        work, device=bf.SimulatedDevice(case.capacity), strategy=strategy, max_batch_size=MAX_BATCH_SIZE
+    )
     tried = [t.batch_size for t in result.trials]
     assert result.batch_size == truth
     assert result.exact
@@ -40,7 +42,7 @@ def test_auto_sequences_on_the_test_models():
     # Recorded from the per-op memory model; each ends by confirming the edge and one more.
     sequences = {}
     for case in CASES:
-        result = bf.search(case.build(), device=bf.SimulatedDevice(case.capacity), trace=False)
+        result = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity), trace=False)
         sequences[case.name] = [t.batch_size for t in result.trials]
         assert result.batch_size == linear_scan_edge(case)
     assert sequences == {
@@ -52,7 +54,7 @@ def test_auto_sequences_on_the_test_models():
 
 
 def test_every_trial_runs_two_full_steps_and_the_result_is_json_ready(case):
-    result = bf.search(case.build(), device=bf.SimulatedDevice(case.capacity))
+    result = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity))
     fitting = [t for t in result.trials if t.fits]
     assert fitting and all(t.steps == 2 for t in fitting)
     assert all(set(t.phase_peak_bytes) == {"forward", "backward", "optimizer"} for t in fitting)
@@ -65,16 +67,20 @@ def test_every_trial_runs_two_full_steps_and_the_result_is_json_ready(case):
 def test_a_one_step_probe_overestimates_an_adam_model_and_two_steps_do_not():
     case = CASES[0]  # Adam: its two state tensors per parameter appear at the end of step 1
     truth = linear_scan_edge(case)
-    one_step = bf.search(case.build(), device=bf.SimulatedDevice(case.capacity), steps=1)
-    two_steps = bf.search(case.build(), device=bf.SimulatedDevice(case.capacity), steps=2)
+    one_step = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity), steps=1)
+    two_steps = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity), steps=2)
     assert two_steps.batch_size == truth
     assert one_step.batch_size > truth
     # ...and the size a one-step probe picks really fails a second training step:
     work = case.build()
     trial = bf.probe_batch_size(
-        work.model, work.sample_batch, one_step.batch_size, loss_fn=work.loss_fn, optimizer=work.optimizer,
+        work.model,
+        work.sample_batch,
+        one_step.batch_size,
+        loss_fn=work.loss_fn,
+        optimizer=work.optimizer,
         device=bf.SimulatedDevice(case.capacity),
-    )  # fmt: skip
+    )
     assert not trial.fits and trial.oom and trial.steps == 1
 
 
@@ -84,18 +90,21 @@ def test_find_max_batch_size_takes_seed_000_call_shape():
     inputs, labels = torch.randn(5, 32), torch.randint(0, 10, (5,))
     criterion = torch.nn.CrossEntropyLoss()
     result = bf.find_max_batch_size(
-        model, (inputs, labels), loss_fn=criterion, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        (inputs, labels),
+        loss_fn=criterion,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         device="sim:120KiB",
-    )  # fmt: skip
+    )
     assert result.batch_size > 1 and result.exact
     assert result.device == "sim:120.0KiB"
 
 
 def test_margin_keeps_headroom_in_bytes_fraction_or_string():
     case = CASES[0]
-    plain = bf.search(case.build(), device=bf.SimulatedDevice(case.capacity))
+    plain = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity))
     for margin in (4 * 1024, 0.02, "4KiB"):
-        result = bf.search(case.build(), device=bf.SimulatedDevice(case.capacity), margin=margin)
+        result = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity), margin=margin)
         assert result.batch_size < plain.batch_size
         assert result.peak_bytes <= result.limit_bytes < result.capacity_bytes
         failed = [t for t in result.trials if not t.fits]
@@ -104,7 +113,7 @@ def test_margin_keeps_headroom_in_bytes_fraction_or_string():
 
 def test_max_trials_stops_early_and_says_the_edge_is_unconfirmed():
     case = CASES[0]
-    result = bf.search(case.build(), device=bf.SimulatedDevice(case.capacity), strategy="power", max_trials=3)
+    result = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity), strategy="power", max_trials=3)
     assert [t.batch_size for t in result.trials] == [1, 2, 4]
     assert result.batch_size == 4 and not result.exact
     assert "not confirmed" in result.summary()
@@ -113,22 +122,22 @@ def test_max_trials_stops_early_and_says_the_edge_is_unconfirmed():
 def test_nothing_fits_raises_naming_the_size_and_capacity():
     work = mlp_tuple()
     with pytest.raises(bf.NoBatchFitsError, match=r"even batch size 1 does not fit on sim:\S+ \(usable") as info:
-        bf.search(work, device=bf.SimulatedDevice("145KiB"), min_batch_size=1)
+        bf.search_workload(work, device=bf.SimulatedDevice("145KiB"), min_batch_size=1)
     assert [t.batch_size for t in info.value.trials] == [1]
 
 
 def test_min_batch_size_that_does_not_fit_is_reported():
     truth = linear_scan_edge(CASES[0])
     with pytest.raises(bf.NoBatchFitsError, match=f"even batch size {truth + 5} does not fit"):
-        bf.search(mlp_tuple(), device=bf.SimulatedDevice(CASES[0].capacity), min_batch_size=truth + 5)
+        bf.search_workload(mlp_tuple(), device=bf.SimulatedDevice(CASES[0].capacity), min_batch_size=truth + 5)
 
 
 def test_eval_mode_fits_more_than_training():
     case = CASES[2]
-    train = bf.search(case.build(), device=bf.SimulatedDevice(case.capacity))
+    train = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity))
     work = case.build()
     work.mode = "eval"
-    evaluated = bf.search(work, device=bf.SimulatedDevice(case.capacity), max_batch_size=4096)
+    evaluated = bf.search_workload(work, device=bf.SimulatedDevice(case.capacity), max_batch_size=4096)
     assert evaluated.batch_size > train.batch_size and evaluated.exact
     assert set(evaluated.trials[0].phase_peak_bytes) == {"forward"}
 
@@ -136,7 +145,7 @@ def test_eval_mode_fits_more_than_training():
 def test_log_lines_follow_seed_002(caplog):
     case = CASES[1]
     with caplog.at_level("INFO", logger="batchfit"):
-        result = bf.search(case.build(), device=bf.SimulatedDevice(case.capacity))
+        result = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity))
     lines = [r.getMessage() for r in caplog.records]  # the trace's trials are DEBUG: only an estimate
     assert len(lines) == len(result.trials)
     assert lines[0].startswith(f"✓ Batch size {result.batch_size} fits — peak ") and " of 400.0 KiB (" in lines[0]
@@ -145,7 +154,7 @@ def test_log_lines_follow_seed_002(caplog):
 
 def test_running_out_of_trials_is_not_reported_as_nothing_fitting():
     with pytest.raises(bf.NoBatchFitsError, match="max_trials ran out before any size fitted"):
-        bf.search(
+        bf.search_workload(
             mlp_tuple(),
             device=bf.SimulatedDevice(CASES[0].capacity),
             strategy="halving",
@@ -160,6 +169,13 @@ def test_fp16_probes_measure_the_optimizer_state_even_when_the_first_scale_overf
     batch = torch.randn(4, 64) * 1e3
     huge = lambda output, batch: output.float().pow(2).sum() * 1e6  # noqa: E731  overflows at a scale of 2**16
     params = sum(p.numel() * 4 for p in model.parameters())
-    trial = bf.probe_batch_size(model, batch, 4, loss_fn=huge, optimizer=torch.optim.Adam(model.parameters()),
-                                amp_dtype=torch.float16, device="sim:64MiB")  # fmt: skip
+    trial = bf.probe_batch_size(
+        model,
+        batch,
+        4,
+        loss_fn=huge,
+        optimizer=torch.optim.Adam(model.parameters()),
+        amp_dtype=torch.float16,
+        device="sim:64MiB",
+    )
     assert trial.fits and trial.held_bytes >= 3 * params  # parameters plus Adam's two moments at step 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import batchfit as bf
-from batchfit.probe import Prober
+from batchfit.search.prober import Prober
 from models import cnn_bn
 from models import mlp_tuple
 
@@ -110,7 +110,7 @@ def test_a_whole_search_with_ooms_restores_everything_bitwise():
     work = cnn_bn()
     _train_a_little(work)
     before = _fingerprint(work)
-    result = bf.search(work, device=bf.SimulatedDevice("400KiB"), strategy="binary", max_batch_size=64)
+    result = bf.search_workload(work, device=bf.SimulatedDevice("400KiB"), strategy="binary", max_batch_size=64)
     assert result.oom_trials >= 2
     _assert_same(before, _fingerprint(work))
 
@@ -135,7 +135,7 @@ def test_other_errors_propagate_unchanged_after_restoring(error):
     work.loss_fn = failing_loss
     device = bf.SimulatedDevice("1MiB")
     with pytest.raises(type(error)) as info:
-        bf.search(work, device=device, trace=False)  # the trace would make the loss's first calls
+        bf.search_workload(work, device=device, trace=False)  # the trace would make the loss's first calls
     assert info.value is error
     _assert_same(before, _fingerprint(work))
 
@@ -150,14 +150,14 @@ def test_an_error_in_every_step_propagates_past_the_trace(caplog):
 
     work.loss_fn = broken_loss
     with caplog.at_level("WARNING", logger="batchfit"), pytest.raises(Boom, match="the user's bug"):
-        bf.search(work, device=bf.SimulatedDevice("1MiB"))
+        bf.search_workload(work, device=bf.SimulatedDevice("1MiB"))
     assert "could not trace the workload (Boom: the user's bug); probing without an estimate" in caplog.text
     _assert_same(before, _fingerprint(work))
 
 
 def test_a_fresh_optimizer_is_left_without_state():
     work = mlp_tuple()
-    bf.search(work, device=bf.SimulatedDevice("160KiB"))
+    bf.search_workload(work, device=bf.SimulatedDevice("160KiB"))
     assert len(work.optimizer.state) == 0
     assert all(p.grad is None for p in work.model.parameters())
 

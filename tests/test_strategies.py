@@ -190,7 +190,8 @@ def test_auto_finds_the_true_edge_from_any_guess(problem, guess):
 def test_a_failed_guess_does_not_use_up_the_trials_before_bisection():
     space = SearchSpace(1, 10_000, limit_bytes=1_000_000)
     peak = linear_peak(100_000, 3_000)
-    sizes, answer = run_strategy(Auto(guess=2400, bisect_after=4), space, lambda b: peak(b) <= 1_000_000, peak,
-                                 held_bytes=100_000)  # fmt: skip
+    sizes, answer = run_strategy(
+        Auto(guess=2400, bisect_after=4), space, lambda b: peak(b) <= 1_000_000, peak, held_bytes=100_000
+    )
     assert sizes == [2400, 2280, 1, 300, 301]  # 5 trials, past bisect_after=4, yet the model still aims
     assert answer == 300

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 import batchfit as bf
-from batchfit.probe import Prober
-from batchfit.sweep import grid_configs
-from batchfit.sweep import sweep
+from batchfit.search.prober import Prober
+from batchfit.sweep.api import grid_configs
+from batchfit.sweep.api import sweep_grid
 from models import decoder
 
 CAPACITY = "1MiB"
@@ -39,7 +39,7 @@ def true_edge(seq_len: int, layers: int) -> int:
 @pytest.fixture(scope="module")
 def default_run():
     lines: list[str] = []
-    result = sweep(decoder, GRID, device=f"sim:{CAPACITY}", cache=False, log=lines.append)
+    result = sweep_grid(decoder, GRID, device=f"sim:{CAPACITY}", cache=False, log=lines.append)
     return result, lines
 
 
@@ -57,7 +57,7 @@ def test_every_configuration_gets_its_true_edge(default_run):
 
 def test_the_default_needs_fewer_trials_than_grow_per_configuration(default_run):
     result, _ = default_run
-    grown = sweep(decoder, GRID, device=f"sim:{CAPACITY}", strategy="grow", estimate=(), cache=False)
+    grown = sweep_grid(decoder, GRID, device=f"sim:{CAPACITY}", strategy="grow", estimate=(), cache=False)
     assert result.total_trials < grown.total_trials
     assert result.total_trials == 2 * len(result.records)  # the estimate, then the size above it
     for record in grown.records:  # grow (5 trials at most, as in seed 002) never overshoots, but may stop short
@@ -87,8 +87,15 @@ def test_the_log_reads_like_seed_002(default_run):
 
 def test_rules_give_the_start_and_the_upper_limit_is_never_exceeded():
     rules = {"base_batch_size": 20, "knobs": {"seq_len": [{"upto": 8, "scale": 1.0}, {"scale": 0.5}]}}
-    result = sweep(decoder, {"seq_len": [8, 16]}, device=f"sim:{CAPACITY}", max_batch_size=20, estimate=("rules",),
-                   rules=rules, cache=False)  # fmt: skip
+    result = sweep_grid(
+        decoder,
+        {"seq_len": [8, 16]},
+        device=f"sim:{CAPACITY}",
+        max_batch_size=20,
+        estimate=("rules",),
+        rules=rules,
+        cache=False,
+    )
     first, second = result.records
     assert (first["estimated"], first["estimate_source"], first["starting_with"]) == (20, "rules", 20)
     assert first["batch_size_used"] == 20 and max(t["batch_size"] for t in first["trials"]) == 20  # edge 32 > cap 20
@@ -98,26 +105,35 @@ def test_rules_give_the_start_and_the_upper_limit_is_never_exceeded():
 
 def test_seed_grow_from_the_rules_estimate_follows_the_seed_sequence():
     rules = {"knobs": {"seq_len": [{"scale": 0.3}]}}
-    result = sweep(decoder, {"seq_len": [8]}, device=f"sim:{CAPACITY}", max_batch_size=64, strategy="grow",
-                   estimate=("rules",), rules=rules, cache=False)  # fmt: skip
+    result = sweep_grid(
+        decoder,
+        {"seq_len": [8]},
+        device=f"sim:{CAPACITY}",
+        max_batch_size=64,
+        strategy="grow",
+        estimate=("rules",),
+        rules=rules,
+        cache=False,
+    )
     sizes = [t["batch_size"] for t in result.records[0]["trials"]]
     assert sizes[:3] == [19, 28, 42]  # seed 002: 64 * 0.3 = 19, then x1.5 (42 > the edge, 32)
     assert len(sizes) == 5 and result.records[0]["batch_size_used"] <= true_edge(8, 1)
 
 
 def test_a_fixed_size_is_checked_once_and_reported():
-    result = sweep(decoder, {"seq_len": [8, 24]}, device=f"sim:{CAPACITY}", max_batch_size=16, auto_adjust=False,
-                   cache=False)  # fmt: skip
+    result = sweep_grid(
+        decoder, {"seq_len": [8, 24]}, device=f"sim:{CAPACITY}", max_batch_size=16, auto_adjust=False, cache=False
+    )
     small, large = result.records
     assert [t["batch_size"] for t in small["trials"]] == [16] and small["fits"] and small["batch_size_used"] == 16
     assert [t["batch_size"] for t in large["trials"]] == [16] and not large["fits"] and large["batch_size_used"] == 16
     assert "does not fit" in large["error"]
     with pytest.raises(ValueError, match="give it as max_batch_size"):
-        sweep(decoder, {"seq_len": [8]}, auto_adjust=False)
+        sweep_grid(decoder, {"seq_len": [8]}, auto_adjust=False)
 
 
 def test_a_configuration_where_nothing_fits_is_recorded_and_the_sweep_goes_on():
-    result = sweep(decoder, {"seq_len": [8, 4000]}, device="sim:600KiB", cache=False)
+    result = sweep_grid(decoder, {"seq_len": [8, 4000]}, device="sim:600KiB", cache=False)
     assert result.records[0]["batch_size_used"] > 0
     assert result.records[1]["batch_size_used"] is None and "already holds" in result.records[1]["error"]
 
@@ -129,21 +145,29 @@ def test_measure_runs_with_the_batch_found_and_joins_the_record(tmp_path):
         seen.append((knobs["seq_len"], batch_size, workload.name))
         return {"accuracy": 0.5 + knobs["seq_len"] / 100}
 
-    result = sweep(decoder, {"seq_len": [8, 16]}, device=f"sim:{CAPACITY}", measure=accuracy, cache=False,
-                   results_path=tmp_path / "r.json")  # fmt: skip
+    result = sweep_grid(
+        decoder,
+        {"seq_len": [8, 16]},
+        device=f"sim:{CAPACITY}",
+        measure=accuracy,
+        cache=False,
+        results_path=tmp_path / "r.json",
+    )
     assert [r["accuracy"] for r in result.records] == [0.58, 0.66]
     assert seen == [(8, true_edge(8, 1), "decoder"), (16, true_edge(16, 1), "decoder")]
     saved = json.loads((tmp_path / "r.json").read_text())["summary"]
     assert [r["accuracy"] for r in saved] == [0.58, 0.66]
-    scalar = sweep(decoder, {"seq_len": [8]}, device=f"sim:{CAPACITY}", measure=lambda k, b, w: b * 2, cache=False)
+    scalar = sweep_grid(decoder, {"seq_len": [8]}, device=f"sim:{CAPACITY}", measure=lambda k, b, w: b * 2, cache=False)
     assert scalar.records[0]["result"] == 2 * true_edge(8, 1)
     with pytest.raises(ValueError, match="which the record already has"):
-        sweep(decoder, {"seq_len": [8]}, device=f"sim:{CAPACITY}", measure=lambda k, b, w: {"seq_len": 1}, cache=False)
+        sweep_grid(
+            decoder, {"seq_len": [8]}, device=f"sim:{CAPACITY}", measure=lambda k, b, w: {"seq_len": 1}, cache=False
+        )
 
 
 def test_the_results_file_has_seed_002s_shape(tmp_path):
     path = tmp_path / "results.json"
-    sweep(decoder, {"seq_len": [8, 16]}, device=f"sim:{CAPACITY}", results_path=path, cache=False)
+    sweep_grid(decoder, {"seq_len": [8, 16]}, device=f"sim:{CAPACITY}", results_path=path, cache=False)
     document = json.loads(path.read_text())
     assert {"summary", "device", "versions", "knobs", "settings"} <= set(document)
     assert document["device"]["name"] == "sim:1.0MiB" and document["knobs"] == ["seq_len"]
@@ -154,10 +178,11 @@ def test_the_results_file_has_seed_002s_shape(tmp_path):
 
 def test_a_rerun_resumes_and_measures_only_what_is_missing(tmp_path):
     path = tmp_path / "results.json"
-    sweep(decoder, {"seq_len": [8, 16]}, device=f"sim:{CAPACITY}", results_path=path, cache=False)
+    sweep_grid(decoder, {"seq_len": [8, 16]}, device=f"sim:{CAPACITY}", results_path=path, cache=False)
     lines: list[str] = []
-    result = sweep(decoder, {"seq_len": [8, 16, 24]}, device=f"sim:{CAPACITY}", results_path=path, cache=False,
-                   log=lines.append)  # fmt: skip
+    result = sweep_grid(
+        decoder, {"seq_len": [8, 16, 24]}, device=f"sim:{CAPACITY}", results_path=path, cache=False, log=lines.append
+    )
     assert sum(line.startswith("Already measured") for line in lines) == 2
     assert sum(line.startswith("Testing") for line in lines) == 1
     assert [r["batch_size_used"] for r in result.records] == [true_edge(s, 1) for s in (8, 16, 24)]
@@ -168,20 +193,20 @@ def test_a_results_file_that_is_not_one_is_left_alone(tmp_path):
     path = tmp_path / "results.json"
     path.write_text("my notes, not JSON")
     with pytest.raises(ValueError, match="not a batchfit sweep results file.*move it away"):
-        sweep(decoder, {"seq_len": [8]}, device=f"sim:{CAPACITY}", results_path=path, cache=False)
+        sweep_grid(decoder, {"seq_len": [8]}, device=f"sim:{CAPACITY}", results_path=path, cache=False)
     assert path.read_text() == "my notes, not JSON"
-    sweep(decoder, {"seq_len": [8]}, device=f"sim:{CAPACITY}", results_path=tmp_path / "ok.json", cache=False)
+    sweep_grid(decoder, {"seq_len": [8]}, device=f"sim:{CAPACITY}", results_path=tmp_path / "ok.json", cache=False)
     with pytest.raises(ValueError, match="another device"):
-        sweep(decoder, {"seq_len": [8]}, device="sim:2MiB", results_path=tmp_path / "ok.json", cache=False)
+        sweep_grid(decoder, {"seq_len": [8]}, device="sim:2MiB", results_path=tmp_path / "ok.json", cache=False)
 
 
 def test_a_sweep_answers_from_the_cache_the_second_time(tmp_path):
-    first = sweep(decoder, {"seq_len": [8, 16]}, device=f"sim:{CAPACITY}", cache=tmp_path)
-    second = sweep(decoder, {"seq_len": [8, 16]}, device=f"sim:{CAPACITY}", cache=tmp_path)
+    first = sweep_grid(decoder, {"seq_len": [8, 16]}, device=f"sim:{CAPACITY}", cache=tmp_path)
+    second = sweep_grid(decoder, {"seq_len": [8, 16]}, device=f"sim:{CAPACITY}", cache=tmp_path)
     assert first.total_trials == 4 and second.total_trials == 0
     assert all(r["cached"] for r in second.records)
     assert [r["batch_size_used"] for r in second.records] == [r["batch_size_used"] for r in first.records]
-    third = sweep(decoder, {"seq_len": [8, 16]}, device=f"sim:{CAPACITY}", cache=tmp_path, max_batch_size=20)
+    third = sweep_grid(decoder, {"seq_len": [8, 16]}, device=f"sim:{CAPACITY}", cache=tmp_path, max_batch_size=20)
     assert third.total_trials > 0  # another upper limit is another search
 
 
@@ -196,27 +221,27 @@ def test_a_sweep_answers_from_the_cache_the_second_time(tmp_path):
 )
 def test_bad_grids_are_clear_errors(grid, message):
     with pytest.raises(ValueError, match=message):
-        sweep(decoder, grid, device=f"sim:{CAPACITY}", cache=False)
+        sweep_grid(decoder, grid, device=f"sim:{CAPACITY}", cache=False)
 
 
 def test_unknown_estimate_sources_and_strategies_are_clear_errors():
     with pytest.raises(ValueError, match="unknown estimate source"):
-        sweep(decoder, {"seq_len": [8]}, estimate=("guess",))
+        sweep_grid(decoder, {"seq_len": [8]}, estimate=("guess",))
     with pytest.raises(ValueError, match="unknown strategy"):
-        sweep(decoder, {"seq_len": [8]}, strategy="fastest")
+        sweep_grid(decoder, {"seq_len": [8]}, strategy="fastest")
 
 
 KILLABLE = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from models import decoder
-from batchfit.sweep import sweep
+from batchfit.sweep.api import sweep_grid
 
 def slow(knobs, batch_size, workload):
     time.sleep(float(sys.argv[2]))
     return {{"accuracy": batch_size / 100}}
 
-sweep(decoder, {{"seq_len": [8, 12, 16, 20, 24]}}, device="sim:1MiB", results_path=sys.argv[1], measure=slow,
+sweep_grid(decoder, {{"seq_len": [8, 12, 16, 20, 24]}}, device="sim:1MiB", results_path=sys.argv[1], measure=slow,
       cache=False)
 """
 
@@ -244,8 +269,16 @@ def test_a_sweep_killed_midway_resumes_to_identical_results(tmp_path):
     subprocess.run([sys.executable, str(script), str(killed), "0"], check=True, timeout=300)
 
     def essence(records: list[dict]) -> list[tuple]:
-        return [(r["seq_len"], r["batch_size_used"], r["peak_bytes"], r["accuracy"],
-                 [(t["batch_size"], t["fits"], t["peak_bytes"]) for t in r["trials"]]) for r in records]  # fmt: skip
+        return [
+            (
+                r["seq_len"],
+                r["batch_size_used"],
+                r["peak_bytes"],
+                r["accuracy"],
+                [(t["batch_size"], t["fits"], t["peak_bytes"]) for t in r["trials"]],
+            )
+            for r in records
+        ]
 
     final = _records(killed)
     assert essence(final) == essence(_records(reference))
@@ -257,5 +290,5 @@ def test_one_device_object_for_the_whole_sweep_does_not_carry_earlier_models():
     """Like a real GPU, a shared simulated device counts whatever is alive on it: a sweep must free each
     configuration's model before the next one's search."""
     shared = bf.SimulatedDevice(CAPACITY)
-    result = sweep(decoder, {"seq_len": [8, 16, 24]}, device=shared, cache=False)
+    result = sweep_grid(decoder, {"seq_len": [8, 16, 24]}, device=shared, cache=False)
     assert [r["batch_size_used"] for r in result.records] == [true_edge(s, 1) for s in (8, 16, 24)]

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from batchfit.crossconfig import CrossConfigModel
-from batchfit.crossconfig import MeasuredConfig
-from batchfit.rules import ScaleRules
+from batchfit.sweep.crossconfig import CrossConfigModel
+from batchfit.sweep.crossconfig import MeasuredConfig
+from batchfit.sweep.rules import ScaleRules
 
 SEED_002 = {
     "base_batch_size": 64,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from batchfit.throughput import find_optimal_batch_size
+from batchfit.search.throughput import find_optimal_batch_size
 
 ALPHA, BETA = 0.01, 1e-4  # seconds, seconds per sample
 

@@ -11,18 +11,18 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
+from batchfit.cli.examples import cnn_small
+from batchfit.cli.examples import gpt_tiny
+from batchfit.cli.examples import mlp
 from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.presets import ACCELERATORS
 from batchfit.devices.presets import CUDA_RESERVE_BYTES
 from batchfit.devices.presets import preset
 from batchfit.devices.presets import usable_bytes
 from batchfit.devices.trace import TraceDevice
-from batchfit.devices.trace import TraceError
-from batchfit.estimate import analytic_estimate
-from batchfit.estimate import estimate_workload
-from batchfit.examples import cnn_small
-from batchfit.examples import gpt_tiny
-from batchfit.examples import mlp
+from batchfit.errors import TraceError
+from batchfit.search.estimate import analytic_estimate
+from batchfit.search.estimate import estimate_workload
 from models import CASES
 from models import cnn_bn
 from models import mlp_tuple
@@ -36,8 +36,9 @@ BUILDS = [gpt_tiny, cnn_small, mlp, *[case.build for case in CASES]]
 def _measured_peak(build, batch_size: int) -> int:
     work = build()
     device = bf.SimulatedDevice("1GiB")
-    return bf.probe_batch_size(work.model, work.sample_batch, batch_size, loss_fn=work.loss_fn,
-                               optimizer=work.optimizer, device=device).peak_bytes  # fmt: skip
+    return bf.probe_batch_size(
+        work.model, work.sample_batch, batch_size, loss_fn=work.loss_fn, optimizer=work.optimizer, device=device
+    ).peak_bytes
 
 
 @pytest.mark.parametrize("build", BUILDS, ids=lambda build: build.__name__)
@@ -151,14 +152,14 @@ def test_the_trace_never_touches_the_users_model_or_optimizer():
     _train_a_little(work)
     before = _fingerprint(work)
     estimate_workload(work, 64)
-    bf.search(work, device=TraceDevice("1MiB"))
+    bf.search_workload(work, device=TraceDevice("1MiB"))
     _assert_same(before, _fingerprint(work))
 
 
 def test_searching_on_the_trace_finds_the_simulated_edge():
     for case in CASES:
-        traced = bf.search(case.build(), device=TraceDevice(case.capacity))
-        simulated = bf.search(case.build(), device=bf.SimulatedDevice(case.capacity), trace=False)
+        traced = bf.search_workload(case.build(), device=TraceDevice(case.capacity))
+        simulated = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity), trace=False)
         assert traced.batch_size == simulated.batch_size
 
 
@@ -208,8 +209,22 @@ def test_an_op_without_a_fake_kernel_falls_back_too(caplog):
 
 
 def test_presets_subtract_the_cuda_context_reserve():
-    names = {"t4-16gb", "v100-16gb", "v100-32gb", "rtx3060-12gb", "rtx3090-24gb", "rtx4090-24gb", "l4-24gb",
-             "a10-24gb", "l40s-48gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "mi300x-192gb"}  # fmt: skip
+    names = {
+        "t4-16gb",
+        "v100-16gb",
+        "v100-32gb",
+        "rtx3060-12gb",
+        "rtx3090-24gb",
+        "rtx4090-24gb",
+        "l4-24gb",
+        "a10-24gb",
+        "l40s-48gb",
+        "a100-40gb",
+        "a100-80gb",
+        "h100-80gb",
+        "h200-141gb",
+        "mi300x-192gb",
+    }
     assert names <= set(ACCELERATORS) and any(name.startswith("apple-") for name in ACCELERATORS)
     assert preset("A100-40GB").usable_bytes == 40 * 2**30 - CUDA_RESERVE_BYTES
     assert usable_bytes("a100-40gb", reserve_bytes=0) == 40 * 2**30

@@ -61,8 +61,15 @@ def gpt2_rows() -> tuple[torch.nn.Module, list[dict]]:
 
 def bert_rows() -> tuple[torch.nn.Module, list[dict]]:
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=3)  # fmt: skip
+    config = BertConfig(
+        vocab_size=256,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=3,
+    )
     ids = torch.randint(0, 256, (ROWS, SEQ_LEN)).tolist()
     rows = [{"input_ids": row, "attention_mask": [1] * SEQ_LEN, "labels": i % 3} for i, row in enumerate(ids)]
     return BertForSequenceClassification(config), rows
@@ -70,12 +77,21 @@ def bert_rows() -> tuple[torch.nn.Module, list[dict]]:
 
 def make_trainer(tmp_path, build=gpt2_rows, *, per_device=4, accumulation=GLOBAL // 4, eval_rows=ROWS, **options):
     model, rows = build()
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
-                             logging_strategy="no", max_steps=3, per_device_train_batch_size=per_device,
-                             gradient_accumulation_steps=accumulation, **options)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        max_steps=3,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        **options,
+    )
     eval_dataset = rows[:eval_rows] if eval_rows else None
-    return Trainer(model=model, args=args, train_dataset=rows, eval_dataset=eval_dataset,
-                   data_collator=RecordingCollator())  # fmt: skip
+    return Trainer(
+        model=model, args=args, train_dataset=rows, eval_dataset=eval_dataset, data_collator=RecordingCollator()
+    )
 
 
 def in_capacity(trainer: Trainer, capacity: str, run):
@@ -93,8 +109,10 @@ def trainer_like_optimizer(trainer: Trainer) -> torch.optim.Optimizer:
     """The optimizer ``Trainer.create_optimizer`` builds: its class and settings, decay groups."""
     decay = set(trainer.get_decay_parameter_names(trainer.model))
     named = list(trainer.model.named_parameters())
-    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": trainer.args.weight_decay},
-              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]  # fmt: skip
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": trainer.args.weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
     optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
     return optimizer_class(groups, **kwargs)
 
@@ -125,18 +143,32 @@ def library_answers(trainer: Trainer, capacity: str, amp_dtype) -> dict[str, bf.
     common = {"optimizer": optimizer, "amp_dtype": amp_dtype, **QUICK}
     model.train()
     step = micro_step(amp=amp, grads_held=False) if amp else None
-    plain = bf.find_max_batch_size(model, batch, device=bf.SimulatedDevice(capacity), max_batch_size=GLOBAL,
-                                   step_fn=step, **common)  # fmt: skip
-    accumulating = bf.find_max_batch_size(model, batch, device=bf.SimulatedDevice(capacity), max_batch_size=plain.batch_size,
-                                          step_fn=micro_step(amp=amp, grads_held=True), **common)  # fmt: skip
+    plain = bf.find_max_batch_size(
+        model, batch, device=bf.SimulatedDevice(capacity), max_batch_size=GLOBAL, step_fn=step, **common
+    )
+    accumulating = bf.find_max_batch_size(
+        model,
+        batch,
+        device=bf.SimulatedDevice(capacity),
+        max_batch_size=plain.batch_size,
+        step_fn=micro_step(amp=amp, grads_held=True),
+        **common,
+    )
     snapshot = bf.StateSnapshot.take(model, optimizer)
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
     optimizer.step()  # the state Adam keeps from its first step on
     optimizer.zero_grad()
     eval_step = (lambda m, b: convert_to_fp32(m(**b))) if amp else None
-    evaluated = bf.find_max_batch_size(model, eval_batch, device=bf.SimulatedDevice(capacity), mode="eval",
-                                       max_batch_size=len(trainer.eval_dataset), step_fn=eval_step, **common)  # fmt: skip
+    evaluated = bf.find_max_batch_size(
+        model,
+        eval_batch,
+        device=bf.SimulatedDevice(capacity),
+        mode="eval",
+        max_batch_size=len(trainer.eval_dataset),
+        step_fn=eval_step,
+        **common,
+    )
     snapshot.restore()
     return {"plain": plain, "accumulating": accumulating, "eval": evaluated}
 
@@ -165,7 +197,10 @@ def test_the_sizes_set_are_the_librarys_answers_and_the_trainer_trains_and_evalu
     assert fit.per_device_train_batch_size <= fit.train_search.batch_size
     assert fit.per_device_eval_batch_size == expected["eval"].batch_size >= fit.train_search.batch_size
     args = trainer.args
-    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (fit.per_device_train_batch_size, fit.gradient_accumulation_steps)  # fmt: skip
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (
+        fit.per_device_train_batch_size,
+        fit.gradient_accumulation_steps,
+    )
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps * fit.world_size == GLOBAL
     assert trainer.get_total_train_batch_size(args) == GLOBAL  # transformers' own arithmetic agrees
     assert args.per_device_eval_batch_size == fit.per_device_eval_batch_size
@@ -208,8 +243,9 @@ def trains(build, capacity: str, options: dict, per_device: int, accumulation: i
 
 def cheap_fit(trainer: Trainer, **options) -> TrainerFit:
     """A fit on a capacity nothing comes near, capped at 4: fast, for what is not about sizes."""
-    return fit_trainer(trainer, device=bf.SimulatedDevice("1GiB"), min_batch_size=4, max_batch_size=4, steps=1,
-                       **QUICK, **options)  # fmt: skip
+    return fit_trainer(
+        trainer, device=bf.SimulatedDevice("1GiB"), min_batch_size=4, max_batch_size=4, steps=1, **QUICK, **options
+    )
 
 
 def test_nothing_but_the_three_settings_changes(tmp_path):
@@ -227,8 +263,11 @@ def test_nothing_but_the_three_settings_changes(tmp_path):
     changed = {k for k, v in trainer.args.to_dict().items() if args_before[k] != v}
     assert changed == {"per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size"}
     assert fit.settings() == dict.fromkeys(changed, 4)
-    assert fit.previous == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 8,
-                            "per_device_eval_batch_size": 8}  # fmt: skip
+    assert fit.previous == {
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 8,
+        "per_device_eval_batch_size": 8,
+    }
     assert trainer._train_batch_size == 4  # what get_train_dataloader reads
 
 
@@ -290,11 +329,28 @@ def test_other_bad_input_names_the_fix(tmp_path):
 
 def test_model_arguments_and_dataset_without_a_trainer(tmp_path):
     model, rows = gpt2_rows()
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
-                             per_device_train_batch_size=1, gradient_accumulation_steps=16, seed=7)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=16,
+        seed=7,
+    )
     rng_before = torch.get_rng_state()
-    fit = fit_training_args(model, args, rows, eval_dataset=rows[:16], data_collator=default_data_collator,
-                            device=bf.SimulatedDevice("1GiB"), min_batch_size=4, max_batch_size=4, steps=1, **QUICK)  # fmt: skip
+    fit = fit_training_args(
+        model,
+        args,
+        rows,
+        eval_dataset=rows[:16],
+        data_collator=default_data_collator,
+        device=bf.SimulatedDevice("1GiB"),
+        min_batch_size=4,
+        max_batch_size=4,
+        steps=1,
+        **QUICK,
+    )
     assert torch.equal(torch.get_rng_state(), rng_before)  # the Trainer it built seeded the RNG: undone
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 4)
     assert args.per_device_eval_batch_size == fit.per_device_eval_batch_size == 4

@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.examples import MLPClassifier
+from batchfit.cli.examples import MLPClassifier
 
 SIM = "sim:4MiB"
 
@@ -112,7 +112,7 @@ def test_fp16_trains_with_a_grad_scaler_and_restores_state():
     before = [p.detach().clone() for p in model.parameters()]
     work = bf.Workload(model, (torch.randn(2, 16), torch.tensor([0, 3])), F.cross_entropy, optimizer, torch.float16)
     assert work.make_scaler("cpu") is not None
-    result = bf.search(work, device="sim:1MiB", max_batch_size=64)
+    result = bf.search_workload(work, device="sim:1MiB", max_batch_size=64)
     assert result.batch_size == 64
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert not optimizer.state

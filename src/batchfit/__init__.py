@@ -5,10 +5,8 @@
 8589934592
 """
 
-from batchfit.accumulate import GradientAccumulator
-from batchfit.cache import ResultCache
-from batchfit.critical import critical_batch_by_training
-from batchfit.decorator import executable_batch_size
+from batchfit._version import __version__
+from batchfit._version import versions
 from batchfit.devices import CpuDevice
 from batchfit.devices import CudaDevice
 from batchfit.devices import Device
@@ -17,41 +15,44 @@ from batchfit.devices import SimulatedDevice
 from batchfit.devices import is_oom
 from batchfit.devices.presets import ACCELERATORS
 from batchfit.devices.trace import TraceDevice
-from batchfit.devices.trace import TraceError
-from batchfit.estimate import AnalyticEstimate
-from batchfit.estimate import MemoryEstimate
-from batchfit.estimate import analytic_estimate
-from batchfit.estimate import estimate_memory
-from batchfit.microbatch import EvalMicrobatcher
-from batchfit.microbatch import Microbatcher
-from batchfit.noise import NoiseScale
-from batchfit.noise import NoiseScaleEstimator
-from batchfit.noise import goodput
-from batchfit.noise_measure import measure_noise_scale
-from batchfit.plan import BatchPlan
-from batchfit.plan import plan_batch
-from batchfit.rules import ScaleRules
+from batchfit.devices.units import format_bytes
+from batchfit.devices.units import parse_bytes
+from batchfit.errors import ModelDoesNotFitError
+from batchfit.errors import NoBatchFitsError
+from batchfit.errors import TraceError
+from batchfit.planning.noise import NoiseScale
+from batchfit.planning.noise import NoiseScaleEstimator
+from batchfit.planning.noise import goodput
+from batchfit.planning.plan import BatchPlan
+from batchfit.planning.plan import plan_batch
+from batchfit.runtime.accumulate import GradientAccumulator
+from batchfit.runtime.critical import critical_batch_by_training
+from batchfit.runtime.decorator import executable_batch_size
+from batchfit.runtime.microbatch import EvalMicrobatcher
+from batchfit.runtime.microbatch import Microbatcher
+from batchfit.runtime.noise_measure import measure_noise_scale
+from batchfit.search.cache import ResultCache
+from batchfit.search.estimate import AnalyticEstimate
+from batchfit.search.estimate import MemoryEstimate
+from batchfit.search.estimate import analytic_estimate
+from batchfit.search.estimate import estimate_memory
 from batchfit.search.memory_model import MemoryModel
-from batchfit.search.result import ModelDoesNotFitError
-from batchfit.search.result import NoBatchFitsError
 from batchfit.search.result import SearchResult
 from batchfit.search.runner import find_max_batch_size
 from batchfit.search.runner import probe_batch_size
-from batchfit.search.runner import search
+from batchfit.search.runner import search_workload
+from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import STRATEGIES
 from batchfit.search.strategies import SearchSpace
 from batchfit.search.strategies import make_strategy
-from batchfit.state import StateSnapshot
-from batchfit.sweep import sweep
-from batchfit.sweep_file import SweepResult
-from batchfit.throughput import ThroughputResult
-from batchfit.throughput import find_optimal_batch_size
-from batchfit.trial import Trial
-from batchfit.units import format_bytes
-from batchfit.units import parse_bytes
-from batchfit.workload import Workload
-
-__version__ = "0.1.0"
+from batchfit.search.throughput import ThroughputResult
+from batchfit.search.throughput import find_optimal_batch_size
+from batchfit.search.trial import Trial
+from batchfit.step.state import StateSnapshot
+from batchfit.step.workload import Workload
+from batchfit.sweep.api import sweep_grid
+from batchfit.sweep.results import SweepResult
+from batchfit.sweep.rules import ScaleRules
 
 __all__ = [
     "ACCELERATORS",
@@ -74,6 +75,7 @@ __all__ = [
     "ResultCache",
     "ScaleRules",
     "SearchResult",
+    "SearchSettings",
     "SearchSpace",
     "SimulatedDevice",
     "StateSnapshot",
@@ -83,6 +85,7 @@ __all__ = [
     "TraceError",
     "Trial",
     "Workload",
+    "__version__",
     "analytic_estimate",
     "critical_batch_by_training",
     "estimate_memory",
@@ -97,6 +100,7 @@ __all__ = [
     "parse_bytes",
     "plan_batch",
     "probe_batch_size",
-    "search",
-    "sweep",
+    "search_workload",
+    "sweep_grid",
+    "versions",
 ]

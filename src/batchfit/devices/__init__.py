@@ -1,4 +1,9 @@
-"""Devices: where a probe runs and how memory is read, behind one protocol."""
+"""Devices: where a probe runs and how memory is read, behind one protocol (CPU, CUDA, MPS, the
+simulated device that counts every live tensor byte on the CPU, and the trace device that does the
+same on fake tensors); the out-of-memory classifier and the clean-up after one; byte units.
+
+May import ``step`` and ``errors``; never ``search`` or anything above it.
+"""
 
 from batchfit.devices.base import Device
 from batchfit.devices.cpu import CpuDevice

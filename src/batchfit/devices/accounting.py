@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from batchfit.units import format_bytes
+from batchfit.devices.units import format_bytes
 
 # The simulated OOM message carries the CPU allocator's wording so that tools matching OOMs by
 # message (Lightning, accelerate) recognise it as well.

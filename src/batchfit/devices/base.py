@@ -12,7 +12,7 @@ from typing import runtime_checkable
 
 import torch
 
-from batchfit.compiled import uncompiled
+from batchfit.step.compiled import uncompiled
 
 
 @runtime_checkable
@@ -79,7 +79,7 @@ class CountingDevice:
         self.counter.track_all(tensors)
 
     def prepare(self, workload: Any) -> Any:
-        """What trials run: a ``torch.compile``d model as its original module (see ``batchfit.compiled``)."""
+        """What trials run: a ``torch.compile``d model as its original module (see ``batchfit.step.compiled``)."""
         return uncompiled(workload)
 
     def cleanup(self) -> None:

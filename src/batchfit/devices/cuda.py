@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from batchfit.compiled import is_compiled
+from batchfit.step.compiled import is_compiled
 
 
 class _AllocatedTimeline(TorchDispatchMode):
@@ -75,7 +75,7 @@ class CudaDevice:
 
     def prepare(self, workload: Any) -> Any:
         """A compiled model is probed compiled, so without the per-op timeline: dynamo would skip
-        a model called under its dispatch mode for good (see ``batchfit.compiled``)."""
+        a model called under its dispatch mode for good (see ``batchfit.step.compiled``)."""
         self._compiled = is_compiled(workload.model)
         return workload
 

@@ -6,8 +6,8 @@ import torch
 
 from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.base import CountingDevice
-from batchfit.units import format_bytes
-from batchfit.units import parse_bytes
+from batchfit.devices.units import format_bytes
+from batchfit.devices.units import parse_bytes
 
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to 512 bytes
 

@@ -16,23 +16,20 @@ from collections.abc import Iterator
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from batchfit.batching import map_tensors
 from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.base import CountingDevice
 from batchfit.devices.presets import ACCELERATORS
 from batchfit.devices.presets import is_preset
 from batchfit.devices.presets import usable_bytes
 from batchfit.devices.simulated import CUDA_BLOCK_BYTES
-from batchfit.units import format_bytes
-from batchfit.units import parse_bytes
-from batchfit.workload import Workload
+from batchfit.devices.units import format_bytes
+from batchfit.devices.units import parse_bytes
+from batchfit.errors import NoBatchFitsError
+from batchfit.errors import TraceError
+from batchfit.step.batching import map_tensors
+from batchfit.step.workload import Workload
 
 CUDA_LARGE_ROUND_BYTES = 2 * 2**20  # the caching allocator rounds requests over 1 MiB to 2 MiB segments
-
-
-class TraceError(ValueError):
-    """The workload cannot run on fake tensors (an op without a fake kernel, data-dependent
-    shapes, a model that cannot be copied, ...)."""
 
 
 @contextlib.contextmanager
@@ -44,7 +41,7 @@ def tracing() -> Iterator[None]:
     except (ValueError, TypeError):
         raise
     except Exception as error:
-        if type(error).__name__ == "NoBatchFitsError":
+        if isinstance(error, NoBatchFitsError):
             raise
         reason = (str(error).strip().splitlines() or [""])[0][:200]
         raise TraceError(
@@ -120,8 +117,15 @@ class TraceDevice(CountingDevice):
     simulated = True
     traces = True
 
-    def __init__(self, capacity: int | str, *, rounding_bytes: int = CUDA_BLOCK_BYTES, reserved: bool = False,
-                 reserve_bytes: int | None = None, device: torch.device | str = "cpu"):  # fmt: skip
+    def __init__(
+        self,
+        capacity: int | str,
+        *,
+        rounding_bytes: int = CUDA_BLOCK_BYTES,
+        reserved: bool = False,
+        reserve_bytes: int | None = None,
+        device: torch.device | str = "cpu",
+    ):
         self._capacity_bytes = trace_capacity_bytes(capacity, reserve_bytes)
         label = capacity if isinstance(capacity, str) and is_preset(capacity) else format_bytes(self._capacity_bytes)
         name = f"trace:{str(label).replace(' ', '')}"

@@ -29,12 +29,12 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only where lightning is missing
     raise ImportError("batchfit's Lightning integration needs Lightning: pip install 'batchfit[lightning]'") from error
 
-from batchfit.batching import batch_ceiling
-from batchfit.plan import BatchPlan
-from batchfit.plan import plan_batch
+from batchfit.planning.plan import BatchPlan
+from batchfit.planning.plan import plan_batch
 from batchfit.search.result import SearchResult
-from batchfit.search.runner import search
-from batchfit.workload import Workload
+from batchfit.search.runner import search_workload
+from batchfit.step.batching import batch_ceiling
+from batchfit.step.workload import Workload
 
 logger = logging.getLogger("batchfit")
 
@@ -68,9 +68,14 @@ class BatchFitResult:
 
     def metrics(self) -> dict[str, float]:
         """The numbers logged to the trainer's loggers, under ``batchfit/``."""
-        found = {"batch_size": self.batch_size, "accumulate_grad_batches": self.accumulate_grad_batches,
-                 "global_batch_size": self.global_batch_size, "max_batch_size": self.search.batch_size,
-                 "trials": len(self.search.trials), "search_seconds": self.search.seconds}  # fmt: skip
+        found = {
+            "batch_size": self.batch_size,
+            "accumulate_grad_batches": self.accumulate_grad_batches,
+            "global_batch_size": self.global_batch_size,
+            "max_batch_size": self.search.batch_size,
+            "trials": len(self.search.trials),
+            "search_seconds": self.search.seconds,
+        }
         if self.search.peak_bytes is not None:
             found["peak_bytes"] = self.search.peak_bytes
         return {f"batchfit/{key}": float(value) for key, value in found.items()}
@@ -86,25 +91,41 @@ class BatchFit(pl.Callback):
     ``accumulate_grad_batches`` so that micro-batch x accumulation x world size is that batch.
     ``device`` (a batchfit Device such as ``SimulatedDevice("2GiB")``) overrides where trials run;
     ``margin`` keeps room for the loop's own tensors (``LOOP_HEADROOM``); the other keywords are
-    ``batchfit.search``'s. ``early_exit=True`` stops ``fit`` after setting,
+    ``batchfit.search_workload``'s. ``early_exit=True`` stops ``fit`` after setting,
     as ``fit_batch_size`` does. The outcome is in ``.result`` and on every logger as ``batchfit/*``.
 
     >>> BatchFit(batch_arg_name="batch_size", global_batch_size=512).global_batch_size
     512
     """
 
-    def __init__(self, *, batch_arg_name: str = "batch_size", global_batch_size: int | None = None,
-                 device: Any = None, strategy: str = "auto", min_batch_size: int = 1,
-                 max_batch_size: int | None = None, margin: int | float | str = LOOP_HEADROOM, steps: int = 2,
-                 max_trials: int | None = None, early_exit: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        batch_arg_name: str = "batch_size",
+        global_batch_size: int | None = None,
+        device: Any = None,
+        strategy: str = "auto",
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        margin: int | float | str = LOOP_HEADROOM,
+        steps: int = 2,
+        max_trials: int | None = None,
+        early_exit: bool = False,
+    ) -> None:
         if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
             raise ValueError(f"global_batch_size must be a positive integer or None, got {global_batch_size!r}")
         self.batch_arg_name = batch_arg_name
         self.global_batch_size = global_batch_size
         self.early_exit = early_exit
-        self.options = {"device": device, "strategy": strategy, "min_batch_size": min_batch_size,
-                        "max_batch_size": max_batch_size, "margin": margin, "steps": steps,
-                        "max_trials": max_trials}  # fmt: skip
+        self.options = {
+            "device": device,
+            "strategy": strategy,
+            "min_batch_size": min_batch_size,
+            "max_batch_size": max_batch_size,
+            "margin": margin,
+            "steps": steps,
+            "max_trials": max_trials,
+        }
         self.result: BatchFitResult | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -124,11 +145,12 @@ class BatchFit(pl.Callback):
         loader = train_dataloader(trainer, pl_module)
         workload = lightning_workload(trainer, pl_module, next(iter(loader)))
         ceiling = batch_ceiling(getattr(loader, "dataset", None), trainer.world_size, self.options["max_batch_size"])
-        found = search(workload, **{**self.options, "max_batch_size": ceiling})
+        found = search_workload(workload, **{**self.options, "max_batch_size": ceiling})
         result = self._settle(found, trainer.world_size)
         if result.accumulate_grad_batches > 1:  # later micro-batches of a window run with the gradients alive
-            held = search(dataclasses.replace(workload, accumulating=True),
-                          **{**self.options, "max_batch_size": found.batch_size})  # fmt: skip
+            held = search_workload(
+                dataclasses.replace(workload, accumulating=True), **{**self.options, "max_batch_size": found.batch_size}
+            )
             result = dataclasses.replace(self._settle(held, trainer.world_size), one_step=found)
         lightning_setattr(pl_module, self.batch_arg_name, result.batch_size)
         trainer.accumulate_grad_batches = result.accumulate_grad_batches
@@ -139,15 +161,17 @@ class BatchFit(pl.Callback):
     def _settle(self, found: SearchResult, world_size: int) -> BatchFitResult:
         if self.global_batch_size is None:
             return BatchFitResult(found.batch_size, 1, world_size, found)
-        plan = plan_batch(micro_batch_size=found.batch_size, global_batch_size=self.global_batch_size,
-                          devices=world_size)  # fmt: skip
+        plan = plan_batch(
+            micro_batch_size=found.batch_size, global_batch_size=self.global_batch_size, devices=world_size
+        )
         for warning in plan.warnings:
             logger.warning("batchfit: %s", warning)
         return BatchFitResult(plan.micro_batch_size, plan.gradient_accumulation_steps, world_size, found, plan)
 
 
-def fit_batch_size(trainer: pl.Trainer, model: pl.LightningModule, *, datamodule: Any = None,
-                   **options: Any) -> BatchFitResult:  # fmt: skip
+def fit_batch_size(
+    trainer: pl.Trainer, model: pl.LightningModule, *, datamodule: Any = None, **options: Any
+) -> BatchFitResult:
     """One call, like ``Tuner(trainer).scale_batch_size``: run ``BatchFit(**options)`` and stop.
 
     The trainer's ``fit`` runs only until the batch size is set; call ``trainer.fit`` afterwards
@@ -188,11 +212,16 @@ def lightning_workload(trainer: pl.Trainer, pl_module: pl.LightningModule, sampl
     if not pl_module.automatic_optimization:
         raise ValueError(
             "BatchFit probes automatic optimization only: with manual optimization, build a "
-            "batchfit.Workload with a step_fn that runs your step, and call batchfit.search"
+            "batchfit.Workload with a step_fn that runs your step, and call batchfit.search_workload"
         )
-    return Workload(pl_module, sample_batch, optimizer=_optimizer(trainer, pl_module),
-                    amp_dtype=PRECISION_AMP.get(str(trainer.precision)), step_fn=_training_step,
-                    name=type(pl_module).__name__)  # fmt: skip
+    return Workload(
+        pl_module,
+        sample_batch,
+        optimizer=_optimizer(trainer, pl_module),
+        amp_dtype=PRECISION_AMP.get(str(trainer.precision)),
+        step_fn=_training_step,
+        name=type(pl_module).__name__,
+    )
 
 
 def _optimizer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> torch.optim.Optimizer:
@@ -241,9 +270,14 @@ def _reload_train_data(trainer: pl.Trainer) -> None:
 
 def _report(trainer: pl.Trainer, result: BatchFitResult) -> None:
     found = result.search
-    logger.info("batchfit: micro-batch %d per device (largest that fits: %d, %d trials), accumulate %d, global %d",
-                result.batch_size, found.batch_size, len(found.trials), result.accumulate_grad_batches,
-                result.global_batch_size)  # fmt: skip
+    logger.info(
+        "batchfit: micro-batch %d per device (largest that fits: %d, %d trials), accumulate %d, global %d",
+        result.batch_size,
+        found.batch_size,
+        len(found.trials),
+        result.accumulate_grad_batches,
+        result.global_batch_size,
+    )
     for each in trainer.loggers:
         each.log_metrics(result.metrics(), step=trainer.global_step)
 

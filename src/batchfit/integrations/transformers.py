@@ -35,21 +35,28 @@ except ImportError as error:  # pragma: no cover - exercised only where transfor
         "batchfit's Transformers integration needs transformers and accelerate: pip install 'batchfit[transformers]'"
     ) from error
 
-from batchfit.batching import batch_ceiling
-from batchfit.batching import pad_sequences
-from batchfit.plan import BatchPlan
-from batchfit.plan import plan_batch
+from batchfit.planning.plan import BatchPlan
+from batchfit.planning.plan import plan_batch
 from batchfit.search.result import SearchResult
 from batchfit.search.runner import DeviceSpec
-from batchfit.search.runner import search
-from batchfit.state import StateSnapshot
-from batchfit.state import _restore_rng
-from batchfit.state import _save_rng
-from batchfit.workload import Workload
-from batchfit.workload import hold_gradients
+from batchfit.search.runner import search_workload
+from batchfit.step.batching import batch_ceiling
+from batchfit.step.batching import pad_sequences
+from batchfit.step.state import StateSnapshot
+from batchfit.step.state import restore_rng
+from batchfit.step.state import save_rng
+from batchfit.step.workload import Workload
+from batchfit.step.workload import hold_gradients
 
-__all__ = ["BatchFitCallback", "TrainerFit", "data_parallel_size", "fit_trainer", "fit_training_args",
-           "train_workload", "training_amp_dtype"]  # fmt: skip
+__all__ = [
+    "BatchFitCallback",
+    "TrainerFit",
+    "data_parallel_size",
+    "fit_trainer",
+    "fit_training_args",
+    "train_workload",
+    "training_amp_dtype",
+]
 
 logger = logging.getLogger("batchfit")
 
@@ -101,22 +108,40 @@ class TrainerFit:
 
     def differences(self, args: TrainingArguments) -> dict[str, tuple[int, int]]:
         """``{field: (planned, actual)}`` for each setting ``args`` no longer matches."""
-        return {name: (value, getattr(args, name)) for name, value in self.settings().items() if getattr(args, name) != value}  # fmt: skip
+        return {
+            name: (value, getattr(args, name))
+            for name, value in self.settings().items()
+            if getattr(args, name) != value
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the settings, the global batch, the previous settings, the plan and the searches."""
-        searches = {"train_search": self.train_search, "one_step_search": self.one_step_search,
-                    "eval_search": self.eval_search}  # fmt: skip
-        return {**self.settings(), "world_size": self.world_size, "global_batch_size": self.global_batch_size,
-                "previous": dict(self.previous), "plan": self.plan.to_dict(),
-                **{name: _summary(result) for name, result in searches.items()}}  # fmt: skip
+        searches = {
+            "train_search": self.train_search,
+            "one_step_search": self.one_step_search,
+            "eval_search": self.eval_search,
+        }
+        return {
+            **self.settings(),
+            "world_size": self.world_size,
+            "global_batch_size": self.global_batch_size,
+            "previous": dict(self.previous),
+            "plan": self.plan.to_dict(),
+            **{name: _summary(result) for name, result in searches.items()},
+        }
 
 
 def _summary(result: SearchResult | None) -> dict[str, Any] | None:
     if result is None:
         return None
-    return {"batch_size": result.batch_size, "trials": len(result.trials), "device": result.device,
-            "peak_bytes": result.peak_bytes, "capacity_bytes": result.capacity_bytes, "seconds": result.seconds}  # fmt: skip
+    return {
+        "batch_size": result.batch_size,
+        "trials": len(result.trials),
+        "device": result.device,
+        "peak_bytes": result.peak_bytes,
+        "capacity_bytes": result.capacity_bytes,
+        "seconds": result.seconds,
+    }
 
 
 # -- the Trainer's step as a Workload --------------------------------------------------------------
@@ -150,7 +175,9 @@ def _first_batch(loader: Any, what: str) -> Any:
     try:
         return next(iterator)
     except StopIteration:
-        raise ValueError(f"the {what} dataloader yields no batch: give the Trainer a non-empty {what} dataset") from None  # fmt: skip
+        raise ValueError(
+            f"the {what} dataloader yields no batch: give the Trainer a non-empty {what} dataset"
+        ) from None
     finally:
         for cleanup in (getattr(iterator, "close", None), getattr(loader, "end", None)):
             if callable(cleanup):
@@ -200,7 +227,7 @@ def train_workload(trainer: Trainer, *, longest_seq_len: int | None = None) -> W
     (``trainer.optimizer``, else the one ``create_optimizer()`` builds, taken off the trainer
     again), its ``compute_loss`` and AMP dtype.
 
-    >>> batchfit.search(train_workload(trainer), device="sim:16GiB").batch_size   # doctest: +SKIP
+    >>> batchfit.search_workload(train_workload(trainer), device="sim:16GiB").batch_size   # doctest: +SKIP
     48
     """
     batch = _first_batch(trainer.get_train_dataloader(), "train")
@@ -210,17 +237,31 @@ def train_workload(trainer: Trainer, *, longest_seq_len: int | None = None) -> W
     if optimizer is None:
         optimizer = trainer.create_optimizer()  # what train() builds: subclasses, decay groups, args.optim
         trainer.optimizer = None
-    return Workload(trainer.model, batch, optimizer=optimizer, amp_dtype=training_amp_dtype(trainer.args),
-                    step_fn=_loss_step(trainer), name=type(trainer.model).__name__)  # fmt: skip
+    return Workload(
+        trainer.model,
+        batch,
+        optimizer=optimizer,
+        amp_dtype=training_amp_dtype(trainer.args),
+        step_fn=_loss_step(trainer),
+        name=type(trainer.model).__name__,
+    )
 
 
-def _eval_workload(trainer: Trainer, name: str | None, optimizer: torch.optim.Optimizer,
-                   longest_seq_len: int | None) -> Workload:  # fmt: skip
+def _eval_workload(
+    trainer: Trainer, name: str | None, optimizer: torch.optim.Optimizer, longest_seq_len: int | None
+) -> Workload:
     batch = _first_batch(trainer.get_eval_dataloader(name), "eval")
     if longest_seq_len is not None:
         batch = pad_sequences(batch, longest_seq_len)
-    return Workload(trainer.model, batch, optimizer=optimizer, amp_dtype=training_amp_dtype(trainer.args),
-                    mode="eval", step_fn=_eval_step(trainer), name=type(trainer.model).__name__)  # fmt: skip
+    return Workload(
+        trainer.model,
+        batch,
+        optimizer=optimizer,
+        amp_dtype=training_amp_dtype(trainer.args),
+        mode="eval",
+        step_fn=_eval_step(trainer),
+        name=type(trainer.model).__name__,
+    )
 
 
 @contextlib.contextmanager
@@ -244,48 +285,65 @@ def _optimizer_state_made(model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 def _check(trainer: Any, global_batch_size: Any, max_batch_size: Any) -> None:
     if not isinstance(trainer, Trainer):
-        raise TypeError(f"fit_trainer needs a transformers.Trainer, got {type(trainer).__name__}: "
-                        "for a model, TrainingArguments and a dataset use fit_training_args")  # fmt: skip
-    for name, value, meaning in (("global_batch_size", global_batch_size, "samples per optimizer step over all devices, or None to keep the trainer's"),
-                                 ("max_batch_size", max_batch_size, "the largest per-device batch to try, or None")):  # fmt: skip
+        raise TypeError(
+            f"fit_trainer needs a transformers.Trainer, got {type(trainer).__name__}: "
+            "for a model, TrainingArguments and a dataset use fit_training_args"
+        )
+    for name, value, meaning in (
+        (
+            "global_batch_size",
+            global_batch_size,
+            "samples per optimizer step over all devices, or None to keep the trainer's",
+        ),
+        ("max_batch_size", max_batch_size, "the largest per-device batch to try, or None"),
+    ):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be a positive integer ({meaning}), got {value!r}")
     if trainer.train_dataset is None:
         raise ValueError("the trainer has no train_dataset to take a batch from: pass Trainer(train_dataset=...)")
     if getattr(trainer, "is_deepspeed_enabled", False):
-        raise NotImplementedError("DeepSpeed fixes the batch sizes in its config when the Trainer is built: set "
-                                  "train_micro_batch_size_per_gpu and gradient_accumulation_steps there from batchfit.plan_batch")  # fmt: skip
+        raise NotImplementedError(
+            "DeepSpeed fixes the batch sizes in its config when the Trainer is built: set "
+            "train_micro_batch_size_per_gpu and gradient_accumulation_steps there from batchfit.plan_batch"
+        )
 
 
 @contextlib.contextmanager
 def _trainer_left_as_found(trainer: Trainer) -> Iterator[None]:
     """Put back what probing touches besides the model (the Prober restores that): the RNG states
     a sampler draws from, ``trainer.optimizer``, and loaders cached for persistent workers."""
-    rng, optimizer, cached = _save_rng(), trainer.optimizer, trainer.__dict__.get("_eval_dataloaders")
+    rng, optimizer, cached = save_rng(), trainer.optimizer, trainer.__dict__.get("_eval_dataloaders")
     saved = dict(cached) if cached is not None else None
     try:
         yield
     finally:
-        _restore_rng(rng)
+        restore_rng(rng)
         trainer.optimizer = optimizer
         trainer.__dict__.pop("_eval_dataloaders", None)
         if saved is not None:
             trainer._eval_dataloaders = saved
 
 
-def _train_searches(train: Workload, ceiling: int, share: int,
-                    options: dict[str, Any]) -> tuple[SearchResult, SearchResult]:  # fmt: skip
+def _train_searches(
+    train: Workload, ceiling: int, share: int, options: dict[str, Any]
+) -> tuple[SearchResult, SearchResult]:
     """The micro-batch search the plan uses and the one-step search: the same when the device's
     share of the global batch fits at once, else the first measures an accumulation micro-step."""
-    one_step = search(train, max_batch_size=ceiling, **options)
+    one_step = search_workload(train, max_batch_size=ceiling, **options)
     if one_step.batch_size >= share:
         return one_step, one_step
     accumulating = dataclasses.replace(train, accumulating=True)  # the window's gradients alive in the forward
-    return search(accumulating, max_batch_size=one_step.batch_size, **options), one_step
+    return search_workload(accumulating, max_batch_size=one_step.batch_size, **options), one_step
 
 
-def _eval_search(trainer: Trainer, optimizer: torch.optim.Optimizer, devices: int, max_batch_size: int | None,
-                 longest_seq_len: int | None, options: dict[str, Any]) -> SearchResult:  # fmt: skip
+def _eval_search(
+    trainer: Trainer,
+    optimizer: torch.optim.Optimizer,
+    devices: int,
+    max_batch_size: int | None,
+    longest_seq_len: int | None,
+    options: dict[str, Any],
+) -> SearchResult:
     """The eval-mode search (of each eval dataset of a dict: the smallest answer), with the
     optimizer's training state held; no larger than a device's share of the eval set."""
     names = list(trainer.eval_dataset) if isinstance(trainer.eval_dataset, Mapping) else [None]
@@ -294,7 +352,9 @@ def _eval_search(trainer: Trainer, optimizer: torch.optim.Optimizer, devices: in
         for name in names:
             dataset = trainer.eval_dataset if name is None else trainer.eval_dataset[name]
             workload = _eval_workload(trainer, name, optimizer, longest_seq_len)
-            results.append(search(workload, max_batch_size=batch_ceiling(dataset, devices, max_batch_size), **options))
+            results.append(
+                search_workload(workload, max_batch_size=batch_ceiling(dataset, devices, max_batch_size), **options)
+            )
     return min(results, key=lambda result: result.batch_size)
 
 
@@ -302,11 +362,15 @@ def _planned(found: SearchResult, target: int, devices: int, allow_inexact: bool
     plan = plan_batch(micro_batch_size=found.batch_size, global_batch_size=target, devices=devices)
     if plan.exact:
         return plan
-    message = (f"a global batch of {target} cannot be split exactly into micro-batches of at most {found.batch_size} "
-               f"on {devices} device(s): the closest is {plan.global_batch_size} ({plan.micro_batch_size} x "
-               f"{plan.gradient_accumulation_steps} x {devices})")  # fmt: skip
+    message = (
+        f"a global batch of {target} cannot be split exactly into micro-batches of at most {found.batch_size} "
+        f"on {devices} device(s): the closest is {plan.global_batch_size} ({plan.micro_batch_size} x "
+        f"{plan.gradient_accumulation_steps} x {devices})"
+    )
     if not allow_inexact:
-        raise ValueError(f"{message}; choose a global batch with a divisor near {found.batch_size} per device, or pass allow_inexact=True")  # fmt: skip
+        raise ValueError(
+            f"{message}; choose a global batch with a divisor near {found.batch_size} per device, or pass allow_inexact=True"
+        )
     warnings.warn(message, stacklevel=3)
     return plan
 
@@ -321,14 +385,25 @@ def _apply(trainer: Trainer, fit: TrainerFit) -> None:
         trainer._train_batch_size = args.train_batch_size  # get_train_dataloader reads it; __init__ cached it
     trainer.__dict__.pop("_eval_dataloaders", None)
     if args.auto_find_batch_size:
-        logger.warning("batchfit: auto_find_batch_size=True halves per_device_train_batch_size after an OOM "
-                       "without raising gradient_accumulation_steps, which changes the global batch: set it to False")  # fmt: skip
+        logger.warning(
+            "batchfit: auto_find_batch_size=True halves per_device_train_batch_size after an OOM "
+            "without raising gradient_accumulation_steps, which changes the global batch: set it to False"
+        )
 
 
-def fit_trainer(trainer: Trainer, *, global_batch_size: int | None = None, device: DeviceSpec = None,
-                margin: int | float | str = 0, max_batch_size: int | None = None, longest_seq_len: int | None = None,
-                fit_eval: bool = True, allow_inexact: bool = False, log_plan: bool = True,
-                **search_options: Any) -> TrainerFit:  # fmt: skip
+def fit_trainer(
+    trainer: Trainer,
+    *,
+    global_batch_size: int | None = None,
+    device: DeviceSpec = None,
+    margin: int | float | str = 0,
+    max_batch_size: int | None = None,
+    longest_seq_len: int | None = None,
+    fit_eval: bool = True,
+    allow_inexact: bool = False,
+    log_plan: bool = True,
+    **search_options: Any,
+) -> TrainerFit:
     """Set ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` from the largest
     per-device micro-batch that fits, keeping the global batch, and ``per_device_eval_batch_size``
     from an eval-mode search.
@@ -343,7 +418,7 @@ def fit_trainer(trainer: Trainer, *, global_batch_size: int | None = None, devic
     on the device for ``compute_metrics`` are not in it: ``eval_accumulation_steps`` moves them).
     The train search stops at a device's share of the global batch, the eval search at its share
     of the eval set; ``max_batch_size`` lowers both. ``device``, ``margin`` and ``search_options``
-    (``strategy``, ``steps``, ``trace``, ...) are ``batchfit.search``'s; ``longest_seq_len`` pads
+    (``strategy``, ``steps``, ``trace``, ...) are ``batchfit.search_workload``'s; ``longest_seq_len`` pads
     the sample to the longest sequence of the run. Ranks of a process group agree on one size.
     The model, optimizer state, RNG states and ``trainer.optimizer`` are left as they were; the
     learning rate is not changed. ``log_plan`` adds a ``BatchFitCallback`` (replacing an earlier one).
@@ -374,8 +449,16 @@ def fit_trainer(trainer: Trainer, *, global_batch_size: int | None = None, devic
     return fit
 
 
-def fit_training_args(model: torch.nn.Module, args: TrainingArguments, train_dataset: Any, *, eval_dataset: Any = None,
-                      data_collator: Any = None, processing_class: Any = None, **fit_options: Any) -> TrainerFit:  # fmt: skip
+def fit_training_args(
+    model: torch.nn.Module,
+    args: TrainingArguments,
+    train_dataset: Any,
+    *,
+    eval_dataset: Any = None,
+    data_collator: Any = None,
+    processing_class: Any = None,
+    **fit_options: Any,
+) -> TrainerFit:
     """``fit_trainer`` for a model, ``TrainingArguments`` and datasets, without a Trainer of your
     own: one is built (the seeding it does is undone), fitted and dropped; ``args`` is changed in
     place. Pass ``callbacks=[BatchFitCallback(fit)]`` to your Trainer to log the fit.
@@ -385,12 +468,18 @@ def fit_training_args(model: torch.nn.Module, args: TrainingArguments, train_dat
     """
     if not isinstance(args, TrainingArguments):
         raise TypeError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
-    rng = _save_rng()
+    rng = save_rng()
     try:
-        trainer = Trainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                          data_collator=data_collator, processing_class=processing_class)  # fmt: skip
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            data_collator=data_collator,
+            processing_class=processing_class,
+        )
     finally:
-        _restore_rng(rng)
+        restore_rng(rng)
     return fit_trainer(trainer, **{"log_plan": False, **fit_options})
 
 
@@ -404,14 +493,18 @@ class BatchFitCallback(TrainerCallback):
 
     def __init__(self, fit: TrainerFit) -> None:
         if not isinstance(fit, TrainerFit):
-            raise TypeError(f"BatchFitCallback needs the TrainerFit that fit_trainer returns, got {type(fit).__name__}: "
-                            "fit_trainer(trainer) adds one itself")  # fmt: skip
+            raise TypeError(
+                f"BatchFitCallback needs the TrainerFit that fit_trainer returns, got {type(fit).__name__}: "
+                "fit_trainer(trainer) adds one itself"
+            )
         self.fit = fit
         self.logged: dict[str, Any] | None = None
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         for name, (planned, actual) in self.fit.differences(args).items():
-            logger.warning("batchfit: %s is %s, but the fit set %s: it was changed after the fit", name, actual, planned)  # fmt: skip
+            logger.warning(
+                "batchfit: %s is %s, but the fit set %s: it was changed after the fit", name, actual, planned
+            )
         record = self.fit.to_dict()
         logger.info("batchfit: training with %s", json.dumps(record["plan"]["batch_configuration"]))
         for warning in self.fit.plan.warnings:

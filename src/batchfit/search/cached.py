@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchfit.cache import CacheEntry
-from batchfit.cache import ResultCache
 from batchfit.devices.base import Device
-from batchfit.fingerprint import fingerprint
-from batchfit.fingerprint import fingerprint_fields
+from batchfit.search.cache import CacheEntry
+from batchfit.search.cache import ResultCache
+from batchfit.search.fingerprint import fingerprint
+from batchfit.search.fingerprint import fingerprint_fields
 from batchfit.search.result import SearchResult
-from batchfit.workload import Workload
+from batchfit.step.workload import Workload
 
 logger = logging.getLogger("batchfit")
 
@@ -71,9 +71,16 @@ class CachedSearch:
 def from_entry(entry: CacheEntry, seconds: float, cache: ResultCache) -> SearchResult:
     """A stored result: the same answer, no trials, and where it came from in ``extra["cache"]``."""
     stored = entry.result
-    cached = {"hit": True, "held_bytes": stored.get("held_bytes"), "path": str(cache.path), "key": entry.key, "created": entry.created,
-              "trials": len(stored.get("trials", [])), "peak_bytes": stored.get("peak_bytes"),
-              "seconds": stored.get("seconds")}  # fmt: skip
+    cached = {
+        "hit": True,
+        "held_bytes": stored.get("held_bytes"),
+        "path": str(cache.path),
+        "key": entry.key,
+        "created": entry.created,
+        "trials": len(stored.get("trials", [])),
+        "peak_bytes": stored.get("peak_bytes"),
+        "seconds": stored.get("seconds"),
+    }
     extra = {k: v for k, v in stored.items() if k == "trace"}
     return SearchResult(
         batch_size=stored["batch_size"],

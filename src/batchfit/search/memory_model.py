@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchfit.trial import Trial
+from batchfit.search.trial import Trial
 
 
 def _least_squares_slope(points: Sequence[tuple[int, int]]) -> float:

@@ -9,23 +9,8 @@ from typing import Any
 
 import torch
 
-from batchfit.trial import Trial
-from batchfit.units import format_bytes
-
-
-class NoBatchFitsError(RuntimeError):
-    """Even ``min_batch_size`` does not fit; ``.trials`` holds what was tried."""
-
-    def __init__(self, message: str, trials: list[Trial]):
-        super().__init__(message)
-        self.trials = trials
-
-
-class ModelDoesNotFitError(NoBatchFitsError, ValueError):
-    """The workload's state alone (parameters, buffers, optimizer state) fills the usable memory."""
-
-    def __init__(self, message: str):
-        super().__init__(message, [])
+from batchfit.devices.units import format_bytes
+from batchfit.search.trial import Trial
 
 
 @dataclass

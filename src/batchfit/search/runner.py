@@ -9,27 +9,28 @@ from typing import Any
 
 import torch
 
-from batchfit import distributed
-from batchfit.batching import bytes_per_sample
-from batchfit.batching import pad_sequences
-from batchfit.compiled import CompileWatch
-from batchfit.compiled import recompile_warning
 from batchfit.devices.base import Device
 from batchfit.devices.resolve import resolve_device
-from batchfit.probe import Prober
+from batchfit.devices.units import format_bytes
+from batchfit.devices.units import parse_bytes
+from batchfit.errors import NoBatchFitsError
+from batchfit.search import distributed
 from batchfit.search.cached import CachedSearch
 from batchfit.search.cached import CacheSpec
 from batchfit.search.cached import open_cache
-from batchfit.search.result import NoBatchFitsError
+from batchfit.search.prober import Prober
 from batchfit.search.result import SearchResult
+from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import SearchSpace
 from batchfit.search.strategies import Strategy
 from batchfit.search.strategies import bracket
 from batchfit.search.strategies import make_strategy
-from batchfit.trial import Trial
-from batchfit.units import format_bytes
-from batchfit.units import parse_bytes
-from batchfit.workload import Workload
+from batchfit.search.trial import Trial
+from batchfit.step.batching import bytes_per_sample
+from batchfit.step.batching import pad_sequences
+from batchfit.step.compiled import CompileWatch
+from batchfit.step.compiled import recompile_warning
+from batchfit.step.workload import Workload
 
 logger = logging.getLogger("batchfit")
 
@@ -57,24 +58,11 @@ def usable_bytes(device: Device, margin: int | float | str) -> tuple[int | None,
         return None, None
     kept = margin_bytes(margin, capacity)
     if kept >= capacity:
-        raise ValueError(f"margin {format_bytes(kept)} leaves nothing of the capacity {format_bytes(capacity)}: "
-                         "give a smaller margin (bytes, '512MiB', or a fraction such as 0.05)")  # fmt: skip
-    return capacity, capacity - kept
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a size
-
-
-def check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: int | None) -> None:
-    if not _is_count(min_batch_size) or min_batch_size < 1:
-        raise ValueError(f"min_batch_size must be an integer of at least 1, got {min_batch_size!r}")
-    if max_batch_size is not None and (not _is_count(max_batch_size) or max_batch_size < min_batch_size):
         raise ValueError(
-            f"max_batch_size must be an integer >= min_batch_size ({min_batch_size}), got {max_batch_size!r}"
+            f"margin {format_bytes(kept)} leaves nothing of the capacity {format_bytes(capacity)}: "
+            "give a smaller margin (bytes, '512MiB', or a fraction such as 0.05)"
         )
-    if max_trials is not None and (not _is_count(max_trials) or max_trials < 1):
-        raise ValueError(f"max_trials must be an integer of at least 1, or None, got {max_trials!r}")
+    return capacity, capacity - kept
 
 
 def _upper_bound(workload: Workload, limit_bytes: int | None, baseline_bytes: int, min_batch_size: int) -> int:
@@ -128,7 +116,7 @@ def trace_estimate(
     start = time.perf_counter()
     tracer = TraceDevice(limit_bytes, device=device.torch_device)
     try:
-        estimate = search(
+        estimate = search_workload(
             workload, device=tracer, min_batch_size=space[0], max_batch_size=space[1], steps=steps, trace=False
         )
     except NoBatchFitsError:
@@ -143,24 +131,19 @@ def trace_estimate(
     return {"batch_size": estimate.batch_size, "trials": len(estimate.trials), "seconds": time.perf_counter() - start}
 
 
-def search(
+def search_workload(
     workload: Workload,
+    settings: SearchSettings | None = None,
     *,
     device: DeviceSpec = None,
-    min_batch_size: int = 1,
-    max_batch_size: int | None = None,
-    strategy: str | Strategy = "auto",
-    margin: int | float | str = 0,
-    max_trials: int | None = None,
-    steps: int = 2,
     on_trial: Callable[[Trial], None] | None = None,
     on_trial_start: Callable[[int], None] | None = None,
-    trace: bool = True,
-    agree: bool | None = None,
-    cache: CacheSpec = False,
+    **options: Any,
 ) -> SearchResult:
     """Find the largest batch size of ``workload`` that fits; see ``find_max_batch_size``.
 
+    ``settings`` (a ``SearchSettings``) and ``options`` (any of its fields, by keyword, applied on
+    top) say how the search runs.
     ``on_trial_start(batch_size)`` and ``on_trial(trial)`` are called around every trial.
     Each trial is logged at INFO on the ``batchfit`` logger (DEBUG with ``on_trial``, or on a trace).
     ``agree`` (default: when a process group is initialised) makes all ranks agree on every trial.
@@ -168,24 +151,37 @@ def search(
     when the workload's fingerprint was searched before, and stores new answers; it is not used
     across ranks.
     """
-    check_bounds(min_batch_size, max_batch_size, max_trials)
+    s = SearchSettings.of(settings, **options)
+    min_batch_size, max_batch_size, strategy, max_trials, steps = (
+        s.min_batch_size,
+        s.max_batch_size,
+        s.strategy,
+        s.max_trials,
+        s.steps,
+    )
     start = time.perf_counter()
     dev = device_for(workload, device)
     # "auto" is the device's best default: a device without per-op timelines (MLX) may name another.
     chosen = make_strategy(getattr(dev, "auto_strategy", strategy) if strategy == "auto" else strategy)
-    capacity, limit = usable_bytes(dev, margin)
-    agreeing = distributed.active() if agree is None else agree
+    capacity, limit = usable_bytes(dev, s.margin)
+    agreeing = distributed.active() if s.agree is None else s.agree
     if agreeing and limit is not None:
         limit = distributed.agree_min(limit)  # every rank aims at the smallest device's memory
-    settings = {"min_batch_size": min_batch_size, "max_batch_size": max_batch_size, "limit_bytes": limit,
-                "steps": steps, "strategy": getattr(chosen, "name", None), "max_trials": max_trials}  # fmt: skip
-    cached = _place_in_cache(cache, agreeing, workload, dev, settings)
+    settings = {
+        "min_batch_size": min_batch_size,
+        "max_batch_size": max_batch_size,
+        "limit_bytes": limit,
+        "steps": steps,
+        "strategy": getattr(chosen, "name", None),
+        "max_trials": max_trials,
+    }
+    cached = _place_in_cache(s.cache, agreeing, workload, dev, settings)
     hit = cached.lookup(start) if cached is not None else None
     if hit is not None:
         return hit
     traced = None
     traceable = isinstance(workload, Workload) and not getattr(dev, "traces", False)  # a torch workload, not traced yet
-    if trace and strategy == "auto" and limit is not None and traceable:
+    if s.trace and strategy == "auto" and limit is not None and traceable:
         traced = trace_estimate(workload, dev, limit, (min_batch_size, max_batch_size), steps)
         guess = traced["batch_size"] if traced is not None else None
         if agreeing:
@@ -249,8 +245,9 @@ def _compile_report(watch: CompileWatch, trials: list[Trial]) -> dict[str, int]:
     return report
 
 
-def _place_in_cache(cache: CacheSpec, agreeing: bool, workload: Workload, device: Device,
-                    settings: dict[str, Any]) -> CachedSearch | None:  # fmt: skip
+def _place_in_cache(
+    cache: CacheSpec, agreeing: bool, workload: Workload, device: Device, settings: dict[str, Any]
+) -> CachedSearch | None:
     """Where this search's answer is kept, or ``None``: no cache, or ranks (which could disagree on a hit)."""
     opened = open_cache(cache) if not agreeing else None
     if opened is not None and not isinstance(workload, Workload):
@@ -314,7 +311,7 @@ def find_max_batch_size(
     workload = Workload(
         model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
     )
-    return search(
+    return search_workload(
         workload,
         device=device,
         min_batch_size=min_batch_size,

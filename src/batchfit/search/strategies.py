@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from batchfit.search.memory_model import MemoryModel
-from batchfit.trial import Trial
+from batchfit.search.trial import Trial
 
 
 @dataclass(frozen=True)

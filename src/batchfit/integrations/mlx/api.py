@@ -15,10 +15,10 @@ from batchfit.integrations.mlx.workload import MlxWorkload
 from batchfit.integrations.mlx.workload import StepFn
 from batchfit.search.result import SearchResult
 from batchfit.search.runner import logger
-from batchfit.search.runner import search
+from batchfit.search.runner import search_workload
 from batchfit.search.runner import usable_bytes
 from batchfit.search.strategies import Strategy
-from batchfit.trial import Trial
+from batchfit.search.trial import Trial
 
 
 def find_max_batch_size(
@@ -55,8 +55,17 @@ def find_max_batch_size(
     True
     """
     workload = MlxWorkload(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, step_fn=step_fn)
-    return search(workload, device=device, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
-                  strategy=strategy, margin=margin, max_trials=max_trials, steps=steps, on_trial=on_trial)  # fmt: skip
+    return search_workload(
+        workload,
+        device=device,
+        min_batch_size=min_batch_size,
+        max_batch_size=max_batch_size,
+        strategy=strategy,
+        margin=margin,
+        max_trials=max_trials,
+        steps=steps,
+        on_trial=on_trial,
+    )
 
 
 def probe_batch_size(

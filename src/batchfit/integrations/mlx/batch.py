@@ -1,7 +1,7 @@
 """Batches of MLX arrays in any nesting: find their arrays, check their length, build a batch of any size.
 
 Tuples, lists, namedtuples, mappings and dataclasses are walked; every ``mx.array`` with a leading
-batch dimension is resized by cycling the sample's rows, as for torch (``batchfit.batching``).
+batch dimension is resized by cycling the sample's rows, as for torch (``batchfit.step.batching``).
 NumPy arrays in a sample are turned into MLX arrays once, by ``as_mlx``.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from batchfit.batching import common_length
+from batchfit.step.batching import common_length
 
 
 def map_leaves(fn: Callable[[Any], Any], batch: Any, kinds: tuple[type, ...] = (mx.array,)) -> Any:

@@ -19,8 +19,8 @@ from typing import Any
 import mlx.core as mx
 
 from batchfit.devices.cpu import available_host_bytes
-from batchfit.units import format_bytes
-from batchfit.units import parse_bytes
+from batchfit.devices.units import format_bytes
+from batchfit.devices.units import parse_bytes
 
 DEVICE_HELP = (
     "for MLX use 'auto', 'mlx' (Apple silicon: its recommended working set) or 'mlx:CAPACITY' (e.g. 'mlx:8GiB')"
@@ -129,8 +129,9 @@ class MlxDevice:
 
     def prepare(self, workload: Any) -> Any:
         if getattr(workload, "framework", None) != "mlx":
-            raise TypeError(f"{self.name} runs MLX workloads (batchfit.integrations.mlx.MlxWorkload), "
-                            f"got {type(workload).__name__}")  # fmt: skip
+            raise TypeError(
+                f"{self.name} runs MLX workloads (batchfit.integrations.mlx.MlxWorkload), got {type(workload).__name__}"
+            )
         return workload
 
     def synchronize(self) -> None:

@@ -1,6 +1,6 @@
 """MlxProber: run trials of an MLX workload on an MlxDevice, restoring every bit of state after each one.
 
-The same contract as torch's ``batchfit.probe.Prober``, so the search runs it unchanged: a context
+The same contract as torch's ``batchfit.search.prober.Prober``, so the search runs it unchanged: a context
 manager whose ``probe(b)`` returns a ``Trial``. A trial runs ``steps`` full training steps on a batch
 of ``b`` rows built from the sample; its peak is MLX's, absolute (parameters and optimizer state
 included). MLX is lazy, so forward, backward and the update all run in the step's one ``mx.eval``:
@@ -20,16 +20,16 @@ from dataclasses import field
 import mlx.core as mx
 
 from batchfit.devices.oom import summarize_oom
+from batchfit.devices.units import format_bytes
 from batchfit.integrations.mlx.batch import batch_bytes
 from batchfit.integrations.mlx.batch import resize_batch
 from batchfit.integrations.mlx.device import MlxDevice
 from batchfit.integrations.mlx.device import is_mlx_oom
 from batchfit.integrations.mlx.snapshot import MlxSnapshot
 from batchfit.integrations.mlx.workload import MlxWorkload
-from batchfit.probe import check_room
-from batchfit.probe import check_steps
-from batchfit.trial import Trial
-from batchfit.units import format_bytes
+from batchfit.search.prober import check_room
+from batchfit.search.prober import check_steps
+from batchfit.search.trial import Trial
 
 
 @dataclass
@@ -58,8 +58,15 @@ class MlxProber:
 
     compile_watch = None  # what torch's Prober reports about torch.compile; nothing to watch for MLX
 
-    def __init__(self, workload: MlxWorkload, device: MlxDevice, *, steps: int = 2, limit_bytes: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter):  # fmt: skip
+    def __init__(
+        self,
+        workload: MlxWorkload,
+        device: MlxDevice,
+        *,
+        steps: int = 2,
+        limit_bytes: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         check_steps(steps)
         self.workload = workload
         self.device = device
@@ -88,8 +95,13 @@ class MlxProber:
         self.device.cleanup()
 
     def _check_capacity(self) -> None:
-        check_room(self.device, self.limit_bytes, self.baseline_bytes,
-                   "MLX already holds", "parameters, optimizer state, the sample")  # fmt: skip
+        check_room(
+            self.device,
+            self.limit_bytes,
+            self.baseline_bytes,
+            "MLX already holds",
+            "parameters, optimizer state, the sample",
+        )
 
     def probe(self, batch_size: int) -> Trial:
         """Run one trial at ``batch_size`` and put the state back."""

@@ -19,7 +19,7 @@ from batchfit.integrations.mlx.batch import batch_length
 from batchfit.integrations.mlx.batch import bytes_per_sample
 from batchfit.integrations.mlx.device import MlxDevice
 from batchfit.integrations.mlx.device import resolve_mlx_device
-from batchfit.workload import call_by_convention
+from batchfit.step.workload import call_by_convention
 
 LossFn = Callable[[Any, Any], mx.array]
 StepFn = Callable[[nn.Module, Any], mx.array]

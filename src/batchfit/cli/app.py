@@ -1,0 +1,437 @@
+"""The ``batchfit`` command: thin typer commands over the library."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+from typing import Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from batchfit._version import versions
+from batchfit.cli.common import AmpOption
+from batchfit.cli.common import CacheDir
+from batchfit.cli.common import Debug
+from batchfit.cli.common import Framework
+from batchfit.cli.common import FrameworkOption
+from batchfit.cli.common import ImageSize
+from batchfit.cli.common import SeqLen
+from batchfit.cli.common import app
+from batchfit.cli.common import check_plotting
+from batchfit.cli.common import cli_errors
+from batchfit.cli.common import console
+from batchfit.cli.common import errors
+from batchfit.cli.common import header_line
+from batchfit.cli.common import load_for_cli
+from batchfit.cli.common import parse_margin
+from batchfit.cli.report import breakdown_table
+from batchfit.cli.report import print_result
+from batchfit.cli.report import result_document
+from batchfit.cli.report import throughput_table
+from batchfit.cli.report import trials_table
+from batchfit.cli.report import write_json
+from batchfit.cli.workloads import describe_builtins
+from batchfit.cli.workloads import load_workload
+from batchfit.devices.resolve import resolve_device
+from batchfit.devices.units import format_bytes
+from batchfit.devices.units import parse_bytes
+from batchfit.search.runner import device_for
+from batchfit.search.runner import search_workload
+from batchfit.search.strategies import STRATEGIES
+from batchfit.search.trial import Trial
+
+
+@app.command(
+    "find", epilog="Example: batchfit find gpt-tiny --seq-len 128 --device sim:8GiB --json out.json --plot out.png"
+)
+@cli_errors
+def find(
+    workload: Annotated[
+        str, typer.Argument(help="A built-in name, module:function or path/to/file.py:function.")
+    ] = "gpt-tiny",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps or sim:CAPACITY (e.g. sim:8GiB).")] = "auto",
+    strategy: Annotated[str, typer.Option(help=f"One of: {', '.join(STRATEGIES)}.")] = "auto",
+    min_batch_size: Annotated[int, typer.Option(help="Smallest size to consider.")] = 1,
+    max_batch_size: Annotated[int | None, typer.Option(help="Largest size to consider.")] = None,
+    margin: Annotated[str, typer.Option(help="Headroom: bytes, a size like 512MiB, or a fraction like 0.05.")] = "0",
+    max_trials: Annotated[int | None, typer.Option(help="Stop after this many trials.")] = None,
+    trace: Annotated[bool, typer.Option(help="With --strategy auto, estimate the edge on fake tensors first.")] = True,
+    cache: Annotated[
+        bool, typer.Option(help="Answer from the result cache when this very search ran before (0 trials).")
+    ] = False,
+    cache_dir: CacheDir = None,
+    seq_len: SeqLen = None,
+    image_size: ImageSize = None,
+    amp: AmpOption = None,
+    framework: FrameworkOption = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of peak memory against batch size here.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the batch size.")] = False,
+    debug: Debug = False,
+) -> None:
+    """Find the largest batch size that really fits: every answer is a size a trial ran."""
+    work, options = load_for_cli(workload, seq_len, image_size, amp, framework.value if framework else None)
+    dev = device_for(work, device)
+    check_plotting(plot)
+    if not quiet:
+        console.print(header_line(work, dev))
+    done: list[Trial] = []
+    try:
+        result = _search_live(
+            work,
+            dev,
+            done,
+            quiet,
+            strategy=strategy,
+            min_batch_size=min_batch_size,
+            max_batch_size=max_batch_size,
+            margin=parse_margin(margin),
+            max_trials=max_trials,
+            trace=trace,
+            cache=(cache_dir or True) if cache else False,
+        )
+    except KeyboardInterrupt:
+        _interrupted(done, dev)
+        raise typer.Exit(130) from None
+    if quiet:
+        console.print(result.batch_size)
+    else:
+        print_result(console, result)
+    if json_path is not None:
+        write_json(json_path, result_document(result, workload=work.name, options=options, simulated=dev.simulated))
+    if plot is not None and result.cached:
+        errors.print("No plot: the answer came from the cache, with no trials (--no-cache measures again, then plots).")
+        plot = None
+    if plot is not None:
+        from batchfit.cli.plots import plot_search
+
+        plot_search(result, plot)
+    if not quiet and (json_path or plot):
+        console.print("Wrote " + " and ".join(str(p) for p in (json_path, plot) if p is not None))
+
+
+def _search_live(work: Any, dev: Any, done: list[Trial], quiet: bool, **settings: Any) -> Any:
+    capacity = dev.capacity_bytes()
+    traces = settings["trace"] and settings["strategy"] == "auto" and getattr(work, "framework", "torch") == "torch"
+    first = "Tracing the workload on fake tensors" if traces else "Starting"
+    with console.status(first, spinner="dots") as status:
+        if quiet:
+            status.stop()
+
+        def started(batch_size: int) -> None:
+            status.update(f"Probing batch size {batch_size}: two full training steps")
+
+        def finished(trial: Trial) -> None:
+            done.append(trial)
+            if not quiet:
+                console.print(escape(trial.describe(capacity)), highlight=False)
+
+        return search_workload(work, device=dev, on_trial=finished, on_trial_start=started, **settings)
+
+
+def _interrupted(done: list[Trial], dev: Any) -> None:
+    if done:
+        console.print(trials_table(done, dev.capacity_bytes()))
+    fitted = [t.batch_size for t in done if t.fits]
+    best = f"; the largest size that fitted so far was {max(fitted)} (edge not confirmed)" if fitted else ""
+    errors.print(escape(f"Interrupted: the model and optimizer are restored{best}."), highlight=False)
+
+
+@app.command("estimate", epilog="Example: batchfit estimate gpt-tiny --seq-len 1024 --gpu a100-40gb --batch-size 32")
+@cli_errors
+def estimate(
+    workload: Annotated[
+        str, typer.Argument(help="A built-in name, module:function or path/to/file.py:function.")
+    ] = "gpt-tiny",
+    gpu: Annotated[
+        str | None, typer.Option(help="A GPU preset, e.g. a100-40gb, h100-80gb, rtx4090-24gb, apple-64gb.")
+    ] = None,
+    capacity: Annotated[str | None, typer.Option(help="A memory size instead of a preset, e.g. 40GiB.")] = None,
+    reserve: Annotated[
+        str | None, typer.Option(help="Override the preset's per-process reserve, e.g. 500MiB or 0.")
+    ] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Say whether this batch size fits, and break it down.")] = None,
+    seq_len: SeqLen = None,
+    image_size: ImageSize = None,
+    amp: AmpOption = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the estimate as JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory curve here.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the largest batch size.")] = False,
+    debug: Debug = False,
+) -> None:
+    """Estimate memory without the hardware: the largest batch that fits on a GPU, and a breakdown."""
+    from batchfit.devices.presets import preset
+    from batchfit.devices.trace import TraceDevice
+    from batchfit.devices.trace import tracing
+    from batchfit.search.estimate import estimate_workload
+
+    if (gpu is None) == (capacity is None):
+        raise ValueError("give exactly one of --gpu (e.g. --gpu a100-40gb) or --capacity (e.g. --capacity 40GiB)")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"--batch-size must be a positive integer, got {batch_size}")
+    reserve_bytes = None if reserve is None else parse_bytes(reserve, what="reserve", allow_zero=True)
+    label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
+    tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes)
+    work, options = load_for_cli(workload, seq_len, image_size, amp)
+    check_plotting(plot)
+    label = label or f"a {format_bytes(tracer.capacity_bytes())} device"
+    if not quiet:
+        console.print(
+            f"batchfit estimate: [bold]{work.name}[/] on {escape(label)} ({format_bytes(tracer.capacity_bytes())} usable), "
+            "traced on fake tensors: nothing runs on a GPU.",
+            highlight=False,
+        )
+    with console.status("Tracing", spinner="dots"), tracing():
+        largest = search_workload(work, device=tracer, trace=False)
+    at = batch_size if batch_size is not None else largest.batch_size
+    breakdown = estimate_workload(work, at, capacity=tracer.capacity_bytes())
+    if quiet:
+        console.print(largest.batch_size)
+    else:
+        _print_estimate(largest, breakdown, batch_size)
+    if json_path is not None:
+        document = {
+            "workload": {"name": work.name, "options": options},
+            "device": {"name": tracer.name, "gpu": gpu, "capacity_bytes": tracer.capacity_bytes()},
+            "largest_batch_size": largest.batch_size,
+            "estimate": breakdown.to_dict(),
+            "search": largest.to_dict(),
+            "versions": versions(),
+        }
+        write_json(json_path, document)
+    if plot is not None:
+        from batchfit.cli.plots import plot_search
+
+        plot_search(largest, plot)
+
+
+def _print_estimate(largest: Any, breakdown: Any, batch_size: int | None) -> None:
+    console.print(breakdown_table(breakdown))
+    if batch_size is not None:
+        verdict = "fits" if breakdown.fits else "does not fit"
+        console.print(
+            f"Batch size {batch_size} {verdict}: peak {format_bytes(breakdown.peak_bytes)} of "
+            f"{format_bytes(breakdown.capacity_bytes)}.",
+            highlight=False,
+        )
+    console.print(
+        f"[bold green]Largest batch size that fits: {largest.batch_size} "
+        f"(estimated from {len(largest.trials)} traced trials, {largest.seconds:.1f} s).[/]"
+    )
+
+
+@app.command("optimal", epilog="Example: batchfit optimal cnn-small --device sim:512MiB --tolerance 0.05 --plot t.png")
+@cli_errors
+def optimal(
+    workload: Annotated[
+        str, typer.Argument(help="A built-in name, module:function or path/to/file.py:function.")
+    ] = "gpt-tiny",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps or sim:CAPACITY.")] = "auto",
+    max_batch_size: Annotated[int | None, typer.Option(help="The largest batch to time (else found first).")] = None,
+    tolerance: Annotated[
+        float, typer.Option(help="Pick the smallest batch within this share of the best throughput.")
+    ] = 0.05,
+    safety_fraction: Annotated[
+        float | None, typer.Option(help="Stay below this share of the maximum, e.g. 0.8.")
+    ] = None,
+    timed_steps: Annotated[int, typer.Option(help="Timed steps per batch size (after 2 warm-up steps).")] = 5,
+    noise_scale: Annotated[
+        float | None, typer.Option(help="B_simple (batchfit critical): also report the goodput-optimal batch (Pollux).")
+    ] = None,
+    seq_len: Annotated[
+        int | None, typer.Option(help="Sequence length, for workloads that take one (adds tokens/s).")
+    ] = None,
+    image_size: ImageSize = None,
+    amp: AmpOption = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Write a PNG of throughput and memory against batch size here.")
+    ] = None,
+    debug: Debug = False,
+) -> None:
+    """Maximum is not optimal: time steps across batch sizes and pick the throughput-optimal one."""
+    from batchfit.search.throughput import optimal_for_workload
+
+    work, options = load_for_cli(workload, seq_len, image_size, amp)
+    dev = resolve_device(device, work.model)
+    check_plotting(plot)
+    console.print(header_line(work, dev, "optimal"))
+    with console.status("Finding the largest batch, then timing steps across batch sizes", spinner="dots"):
+        result = optimal_for_workload(
+            work,
+            device=dev,
+            max_batch_size=max_batch_size,
+            tolerance=tolerance,
+            safety_fraction=safety_fraction,
+            timed_steps=timed_steps,
+            tokens_per_sample=seq_len,
+        )
+    console.print(throughput_table(result))
+    knees = ", ".join(f"{int(f * 100)}% at {k:,.0f}" for f in (0.9, 0.95) if (k := result.knee(f)) is not None)
+    console.print(
+        f"Fitted step time {result.alpha_seconds * 1000:.2f} ms + {result.beta_seconds_per_sample * 1000:.3f} ms x batch; "
+        f"throughput knees: {knees or 'none (no fixed cost measured)'}.",
+        highlight=False,
+    )
+    for note in result.notes:
+        console.print(f"[yellow]Note:[/] {escape(note)}")
+    console.print(f"[bold green]{escape(result.summary())}[/]")
+    extra = {"goodput": _print_goodput(result, noise_scale).to_dict()} if noise_scale is not None else {}
+    if json_path is not None:
+        write_json(
+            json_path,
+            {
+                "workload": {"name": work.name, "options": options},
+                **extra,
+                "device": {"name": dev.name, "simulated": dev.simulated},
+                **result.to_dict(),
+                "versions": versions(),
+            },
+        )
+    if plot is not None:
+        from batchfit.cli.plots import plot_throughput
+
+        plot_throughput(result, plot)
+
+
+def _print_goodput(result: Any, noise_scale: float) -> Any:
+    from batchfit.planning.noise import goodput
+
+    found = goodput(result, noise_scale)
+    console.print(
+        f"[bold green]Goodput (throughput x statistical efficiency, Pollux) with B_simple {noise_scale:,.0f}: "
+        f"best measured at batch {found.best_measured_batch_size}; the fitted line peaks at "
+        f"{found.optimal_batch_size} (sqrt(B_simple x alpha / beta)).[/]"
+    )
+    return found
+
+
+class LrScaling(str, Enum):
+    linear = "linear"
+    sqrt = "sqrt"
+    none = "none"
+
+
+class Goal(str, Enum):
+    accuracy = "accuracy"
+    speed = "speed"
+    memory = "memory"
+
+
+@app.command(
+    "plan",
+    epilog="Example: batchfit plan --micro-batch-size 16 --global-batch-tokens 32768 --seq-len 256 --base-lr 3e-4 --base-batch-size 65536",
+)
+@cli_errors
+def plan(
+    workload: Annotated[
+        str | None, typer.Argument(help="Measure the micro-batch on this workload (else give --micro-batch-size).")
+    ] = None,
+    micro_batch_size: Annotated[int | None, typer.Option(help="The largest micro-batch that fits, if known.")] = None,
+    global_batch_size: Annotated[int | None, typer.Option(help="Target global batch in samples.")] = None,
+    global_batch_tokens: Annotated[
+        int | None, typer.Option(help="Target global batch in tokens (with --seq-len).")
+    ] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sample.")] = None,
+    devices: Annotated[
+        int | None, typer.Option(help="Data-parallel devices (default: torch.distributed's world size, else 1).")
+    ] = None,
+    base_lr: Annotated[float | None, typer.Option(help="The learning rate tuned at --base-batch-size.")] = None,
+    base_batch_size: Annotated[
+        int | None, typer.Option(help="The batch --base-lr was tuned at (same unit as the target).")
+    ] = None,
+    lr_scaling: Annotated[
+        LrScaling, typer.Option(help="linear (Goyal 2017), sqrt (Adam; Malladi 2022) or none.")
+    ] = LrScaling.linear,
+    warmup_epochs: Annotated[int | None, typer.Option(help="Warmup epochs (else suggested from the scale).")] = None,
+    dataset_size: Annotated[int | None, typer.Option(help="Samples per epoch, for steps per epoch.")] = None,
+    epochs: Annotated[int | None, typer.Option(help="Epochs, for total steps.")] = None,
+    goal: Annotated[
+        Goal | None, typer.Option(help="accuracy, speed or memory (seed 001's decision framework).")
+    ] = None,
+    fine_tuning: Annotated[bool, typer.Option(help="Fine-tuning: small batch and learning rate.")] = False,
+    model_family: Annotated[
+        str | None, typer.Option(help="gpt2, bert, llama or resnet50-imagenet: a typical target if none is given.")
+    ] = None,
+    device: Annotated[str, typer.Option(help="Where to measure the micro-batch, with WORKLOAD.")] = "auto",
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write BatchPlan.to_dict() here.")] = None,
+    debug: Debug = False,
+) -> None:
+    """Plan micro-batch, accumulation, learning rate and warmup for a global batch on N devices."""
+    from batchfit.planning.plan import plan_batch
+
+    measured = None
+    if workload is not None and micro_batch_size is not None:
+        raise ValueError("give either --micro-batch-size N or a WORKLOAD to measure it on, not both")
+    if workload is not None:
+        work = load_workload(workload, framework=None, seq_len=seq_len, only_accepted=True)
+        with console.status("Measuring the largest micro-batch", spinner="dots"):
+            measured = search_workload(work, device=device_for(work, device))
+        micro_batch_size = measured.batch_size
+        console.print(f"Measured on {measured.device}: the largest micro-batch is {micro_batch_size}.", highlight=False)
+    if micro_batch_size is None:
+        raise ValueError("give --micro-batch-size N, or a WORKLOAD to measure it on")
+    result = plan_batch(
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        global_batch_tokens=global_batch_tokens,
+        seq_len=seq_len,
+        devices=devices,
+        base_lr=base_lr,
+        base_batch_size=base_batch_size,
+        lr_scaling=lr_scaling.value,
+        warmup_epochs=warmup_epochs,
+        dataset_size=dataset_size,
+        epochs=epochs,
+        fine_tuning=fine_tuning,
+        goal=goal.value if goal else None,
+        model_family=model_family,
+    )
+    _print_plan(result)
+    if json_path is not None:
+        write_json(json_path, result.to_dict())
+
+
+def _print_plan(result: Any) -> None:
+    table = Table(title="Batch plan", title_justify="left", show_header=False)
+    table.add_column(justify="left")
+    table.add_column(justify="right")
+    for key, value in result.to_dict()["batch_configuration"].items():
+        if value is not None:
+            table.add_row(key.replace("_", " "), f"{value:g}" if isinstance(value, float) else str(value))
+    console.print(table)
+    tokens = f" = {result.global_batch_tokens:,} tokens" if result.global_batch_tokens else ""
+    console.print(
+        f"[bold green]{result.micro_batch_size} per device x {result.gradient_accumulation_steps} accumulation steps x "
+        f"{result.devices} device(s) = {result.global_batch_size} samples{tokens} per optimizer step.[/]"
+    )
+    for warning in result.warnings:
+        console.print(f"[yellow]Warning:[/] {escape(warning)}")
+    for advice in result.advice:
+        console.print(f"[cyan]Advice:[/] {escape(advice)}")
+
+
+@app.command("list-workloads", epilog="Example: batchfit list-workloads --framework mlx")
+def list_workloads(
+    framework: Annotated[
+        Framework, typer.Option(help="torch, or mlx: the MLX built-ins (find runs them).")
+    ] = Framework.torch,
+) -> None:
+    """Name the built-in workloads, one line each."""
+    for name, line in describe_builtins(framework.value).items():
+        console.print(f"[bold]{name:10}[/] {line}", highlight=False)
+
+
+from batchfit.cli import critical  # noqa: E402, F401  (registers critical)
+from batchfit.cli import sweep  # noqa: E402, F401  (registers sweep and cache)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""What every ``batchfit`` command shares: the typer app, the consoles, option types and error handling."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from batchfit.cli.workloads import load_workload
+from batchfit.devices.units import format_bytes
+from batchfit.errors import NoBatchFitsError
+
+app = typer.Typer(
+    help="What batch size should I train with on this hardware?\n\nExample: batchfit find gpt-tiny --device sim:8GiB",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+console = Console()
+errors = Console(stderr=True)
+
+USER_ERRORS = (ValueError, TypeError, NoBatchFitsError, OSError)  # OSError: an output path that cannot be written
+
+
+class Amp(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Framework(str, Enum):
+    torch = "torch"
+    mlx = "mlx"
+
+
+WorkloadArg = Annotated[str, typer.Argument(help="A built-in name, module:function or path/to/file.py:function.")]
+SeqLen = Annotated[int | None, typer.Option(help="Sequence length, for workloads that take one.")]
+ImageSize = Annotated[int | None, typer.Option(help="Image side in pixels, for workloads that take one.")]
+AmpOption = Annotated[Amp | None, typer.Option(help="Mixed precision: bf16 or fp16.")]
+Debug = Annotated[bool, typer.Option(help="Show tracebacks.")]
+FrameworkOption = Annotated[
+    Framework | None,
+    typer.Option(
+        help="torch or mlx: what a module:function workload returns (default: either; built-ins know their own)."
+    ),
+]
+CacheDir = Annotated[
+    Path | None, typer.Option(help="The cache folder (default: $BATCHFIT_CACHE_DIR, else the user cache folder).")
+]
+
+
+def load_for_cli(
+    workload: str, seq_len: int | None, image_size: int | None, amp: Amp | None, framework: str | None = "torch"
+) -> tuple[Any, dict[str, Any]]:
+    """The workload and the options that reached it (for the JSON); ``framework=None`` accepts MLX ones too."""
+    options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
+    work = load_workload(workload, framework=framework, **options)
+    return work, {key: value for key, value in options.items() if value is not None}
+
+
+def check_plotting(plot: Path | None) -> None:
+    """Fail before the work, not after it, when a plot is asked for and matplotlib is missing or
+    its folder does not exist."""
+    if plot is not None:
+        from batchfit.cli.plots import load_pyplot
+        from batchfit.search.files import check_writable
+
+        check_writable(plot)
+        load_pyplot()
+
+
+def cli_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """One line on stderr and exit code 2 for the user's mistakes; the traceback only with --debug."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except USER_ERRORS as error:
+            if kwargs.get("debug"):
+                raise
+            errors.print(f"[red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def parse_margin(text: str) -> int | float | str:
+    """``"0.05"`` is a fraction of the capacity, ``"4096"`` bytes, ``"512MiB"`` a size."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def header_line(workload: Any, device: Any, command: str = "find") -> str:
+    own_count = getattr(workload, "parameter_count", None)  # an MLX workload counts its own
+    params = own_count() if own_count is not None else sum(p.numel() for p in workload.model.parameters())
+    optimizer = type(workload.optimizer).__name__ if workload.optimizer is not None else "no optimizer"
+    line = f"batchfit {command}: [bold]{workload.name}[/] ({params / 1e6:.2f}M parameters, {optimizer}) on [bold]{device.name}[/]"
+    if device.simulated:
+        line += f"\n[yellow]Simulated:[/] a {format_bytes(device.capacity_bytes())} device on the CPU, not a GPU measurement (choose with --device sim:CAPACITY)."
+    return line

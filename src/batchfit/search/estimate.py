@@ -1,0 +1,284 @@
+"""Memory without the hardware: a traced estimate with a breakdown, and an analytic first guess.
+
+``estimate_memory`` runs the training step on fake tensors (``TraceDevice``) and splits the peak
+into parameters, gradients, optimizer state, activations (saved for backward), the batch and
+temporaries, by tagging every storage as it appears. ``analytic_estimate`` is seed 001's formula,
+corrected: optimizer state by optimizer and in the parameters' dtype (fp32 under torch AMP),
+momentum counted, activations from the model's structure rather than b·s·h per layer, and
+checkpointing keeping each block's input rather than "one layer".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+
+import torch
+
+from batchfit.devices.accounting import Ledger
+from batchfit.devices.trace import TraceDevice
+from batchfit.devices.trace import trace_capacity_bytes
+from batchfit.devices.trace import tracing
+from batchfit.search.prober import Prober
+from batchfit.step.batching import resize_batch
+from batchfit.step.batching import tensor_leaves
+from batchfit.step.workload import Workload
+from batchfit.step.workload import autocast
+
+BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "batch", "temporaries")
+UNLIMITED_BYTES = 1 << 60
+
+
+@dataclass(frozen=True)
+class AnalyticEstimate:
+    """Component bytes from formulas; ``peak_bytes`` is their sum (no temporaries)."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    batch: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state + self.activations + self.batch
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "peak_bytes": self.peak_bytes}
+
+
+@dataclass
+class MemoryEstimate:
+    """The traced peak at ``batch_size`` and what it is made of, at the moment of the peak.
+
+    ``breakdown`` has the keys parameters, gradients, optimizer_state, activations, batch and
+    temporaries, and sums to ``peak_bytes``; ``peak_phase`` is where the peak happens.
+    """
+
+    batch_size: int
+    peak_bytes: int
+    breakdown: dict[str, int]
+    peak_phase: str
+    capacity_bytes: int | None = None
+    analytic: AnalyticEstimate | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak stays within the capacity (``None`` when no capacity was given)."""
+        return None if self.capacity_bytes is None else self.peak_bytes <= self.capacity_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "peak_bytes": self.peak_bytes,
+            "breakdown": dict(self.breakdown),
+            "peak_phase": self.peak_phase,
+            "capacity_bytes": self.capacity_bytes,
+            "fits": self.fits,
+            "analytic": self.analytic.to_dict() if self.analytic else None,
+            **self.extra,
+        }
+
+
+class _Tagger:
+    """Moves the ledger's tag along the step and names storages once their role is known."""
+
+    def __init__(self, ledger: Ledger, device: TraceDevice, workload: Workload):
+        self.ledger, self.counter, self.workload = ledger, device.counter, workload
+
+    def __call__(self, phase: str) -> None:
+        ledger = self.ledger
+        if phase == "batch":
+            ledger.tag, ledger.phase = "temporaries", "forward"
+        elif phase == "forward":
+            live = [key for key in self.counter._refs if ledger.roles[ledger.serials[key]] == "temporaries"]
+            ledger.assign(live, "activations")  # made in forward and still alive: saved for backward
+            ledger.phase = "backward"
+        elif phase == "backward":
+            ledger.assign(self.counter.keys_of(p.grad for p in self.workload.model.parameters()), "gradients")
+            ledger.phase = "optimizer"
+        elif phase == "optimizer":
+            ledger.assign(self.counter.keys_of(_optimizer_tensors(self.workload.optimizer)), "optimizer_state")
+            ledger.phase = "forward"
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    return [v for entries in optimizer.state.values() for v in entries.values() if isinstance(v, torch.Tensor)]
+
+
+def _register_roles(ledger: Ledger, device: TraceDevice, work: Workload) -> None:
+    groups = [
+        ("parameters", [*work.model.parameters(), *work.model.buffers()]),
+        ("gradients", [p.grad for p in work.model.parameters() if p.grad is not None]),
+        ("optimizer_state", _optimizer_tensors(work.optimizer)),
+        ("batch", tensor_leaves(work.sample_batch)),
+    ]
+    for role, tensors in groups:
+        ledger.tag = role
+        device.register(tensors)
+    ledger.tag = "batch"
+
+
+def estimate_workload(
+    workload: Workload,
+    batch_size: int,
+    *,
+    capacity: int | str | None = None,
+    steps: int = 2,
+    analytic: bool = True,
+    reserved: bool = False,
+) -> MemoryEstimate:
+    """``estimate_memory`` for a ``Workload``."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
+    tracer = TraceDevice(UNLIMITED_BYTES, reserved=reserved)
+    with tracing():
+        fake = tracer.prepare(workload)
+        ledger = tracer.counter.ledger = Ledger()
+        _register_roles(ledger, tracer, fake)
+        with Prober(fake, tracer, steps=steps, phase_hook=_Tagger(ledger, tracer, fake)) as prober:
+            trial = prober.probe(batch_size)
+    breakdown = {key: ledger.breakdown().get(key, 0) for key in BREAKDOWN_KEYS}
+    return MemoryEstimate(
+        batch_size=batch_size,
+        peak_bytes=trial.peak_bytes,
+        breakdown=breakdown,
+        peak_phase=ledger.peak_phase,
+        capacity_bytes=None if capacity is None else trace_capacity_bytes(capacity),
+        analytic=analytic_estimate(workload, batch_size) if analytic else None,
+    )
+
+
+def estimate_memory(
+    model: torch.nn.Module,
+    sample_batch: Any,
+    batch_size: int,
+    *,
+    loss_fn: Callable | None = None,
+    optimizer: Any = None,
+    amp_dtype: torch.dtype | str | None = None,
+    capacity: int | str | None = None,
+    mode: str = "train",
+    step_fn: Callable | None = None,
+    steps: int = 2,
+) -> MemoryEstimate:
+    """Peak memory of a training step at ``batch_size``, with a breakdown, on no hardware at all.
+
+    The step runs on fake tensors (shapes and dtypes, no data), so it costs about the same at any
+    batch size. ``capacity`` (bytes, ``"40GiB"`` or a GPU preset such as ``"a100-40gb"``) sets
+    ``.fits``. The model and optimizer are not touched.
+
+    >>> model = torch.nn.Linear(256, 256)
+    >>> estimate = estimate_memory(model, torch.randn(2, 256), 1024, loss_fn=lambda out, batch: out.sum(),
+    ...                            optimizer=torch.optim.Adam(model.parameters()), capacity="a100-40gb")
+    >>> estimate.fits, sum(estimate.breakdown.values()) == estimate.peak_bytes
+    (True, True)
+    """
+    workload = Workload(
+        model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
+    )
+    return estimate_workload(workload, batch_size, capacity=capacity, steps=steps)
+
+
+# -- the analytic first guess ---------------------------------------------------------------------
+
+
+# Optimizer state as multiples of the parameters, in the parameters' dtype (torch makes its state
+# with zeros_like(param)): seed 001 halved Adam's state "in FP16" and gave momentum SGD none.
+def _state_multiple(optimizer: torch.optim.Optimizer) -> int:
+    group = optimizer.param_groups[0]
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return 1 if group.get("momentum", 0) else 0
+    if name in ("Adam", "AdamW"):
+        return 3 if group.get("amsgrad") else 2
+    if name == "RMSprop":
+        return 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
+    if name in ("Adagrad",):
+        return 1
+    return 2  # Adamax, NAdam, RAdam, Adadelta and unknown ones: two moments is the common case
+
+
+def _activation_bytes(workload: Workload, checkpointing: bool) -> int:
+    """Activation bytes per sample from one fake forward pass at batch size 1: every leaf
+    module's output; with ``checkpointing``, each repeated block's input plus the largest block's
+    outputs (recomputed one block at a time)."""
+    tracer = TraceDevice(UNLIMITED_BYTES)
+    with tracing():
+        fake = tracer.prepare(workload)
+    blocks = _repeated_blocks(fake.model)
+    outputs: list[int] = []
+    inside = [0] * len(blocks)
+    inputs = [0] * len(blocks)
+
+    def size(value: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tensor_leaves(value))
+
+    def leaf_hook(module: torch.nn.Module, args: Any, output: Any, owner: int | None) -> None:
+        outputs.append(size(output))
+        if owner is not None:
+            inside[owner] += size(output)
+
+    handles = []
+    for index, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(lambda m, args, i=index: inputs.__setitem__(i, size(args))))
+    for module in fake.model.modules():
+        if not list(module.children()):
+            owner = next((i for i, block in enumerate(blocks) if any(m is module for m in block.modules())), None)
+            handles.append(module.register_forward_hook(lambda m, a, o, owner=owner: leaf_hook(m, a, o, owner)))
+    try:
+        with tracing(), tracer.fake_mode, torch.no_grad(), autocast(tracer.torch_device.type, fake.amp_dtype):
+            fake._forward(resize_batch(fake.sample_batch, 1))
+    finally:
+        for handle in handles:
+            handle.remove()
+    if checkpointing and blocks:
+        return sum(outputs) - sum(inside) + sum(inputs) + max(inside)
+    return sum(outputs)
+
+
+def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks (children of the first ModuleList/Sequential holding several modules
+    of one type): the unit gradient checkpointing recomputes."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            children = list(module.children())
+            if len(children) >= 2 and len({type(c) for c in children}) == 1 and list(children[0].children()):
+                return children
+    return []
+
+
+def analytic_estimate(
+    workload: Workload, batch_size: int, *, checkpointing: bool = False, master_weights: bool = False
+) -> AnalyticEstimate:
+    """Seed 001's formula, corrected (see the module's docstring). Activations are the outputs of
+    every leaf module, per sample, times the batch; with ``checkpointing`` only each repeated
+    block's input is kept, plus one block's activations during its recomputation.
+    ``master_weights`` adds an fp32 copy of every trainable parameter to the optimizer state,
+    as apex/DeepSpeed-style mixed precision keeps for 16-bit parameters (torch's own optimizers
+    and AMP keep none: under AMP the parameters themselves stay fp32)."""
+    params = [p for p in workload.model.parameters()]
+    parameter_bytes = sum(p.numel() * p.element_size() for p in [*params, *workload.model.buffers()])
+    trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    training = workload.mode == "train"
+    state = _state_multiple(workload.optimizer) * trainable if training and workload.optimizer is not None else 0
+    if training and master_weights:
+        state += sum(p.numel() * 4 for p in params if p.requires_grad)
+    per_sample = _activation_bytes(workload, checkpointing)
+    sample = workload.sample_batch
+    batch_bytes = (
+        sum(t.numel() * t.element_size() for t in tensor_leaves(sample) if t.dim() > 0) // workload.sample_length
+    )
+    return AnalyticEstimate(
+        parameters=parameter_bytes,
+        gradients=trainable if training else 0,
+        optimizer_state=state,
+        activations=per_sample * batch_size if training else 0,
+        batch=batch_bytes * batch_size,
+    )

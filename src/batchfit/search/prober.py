@@ -1,0 +1,238 @@
+"""Prober: run trials of a workload on a device, restoring every bit of state after each one."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+
+import torch
+
+from batchfit.devices.base import Device
+from batchfit.devices.cleanup import drain_autograd_queue
+from batchfit.devices.oom import is_oom
+from batchfit.devices.oom import summarize_oom
+from batchfit.devices.resolve import model_device
+from batchfit.devices.units import format_bytes
+from batchfit.errors import ModelDoesNotFitError
+from batchfit.search.trial import Trial
+from batchfit.step.batching import move_batch
+from batchfit.step.batching import resize_batch
+from batchfit.step.batching import tensor_leaves
+from batchfit.step.compiled import CompileWatch
+from batchfit.step.compiled import is_compiled
+from batchfit.step.compiled import mark_batch_dynamic
+from batchfit.step.state import StateSnapshot
+from batchfit.step.workload import Workload
+
+
+def _same_place(a: torch.device, b: torch.device) -> bool:
+    index_a = a.index if a.index is not None else 0
+    index_b = b.index if b.index is not None else 0
+    return a.type == b.type and (a.type == "cpu" or index_a == index_b)
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, source: torch.device, target: torch.device) -> None:
+    """Move optimizer state that lives with its parameters from ``source`` to ``target``. As in
+    torch's ``load_state_dict``, a ``step`` count stays where it is unless the group is
+    ``capturable`` or ``fused`` (then it lives on the parameters' device)."""
+    if optimizer is None:
+        return
+    for group in optimizer.param_groups:
+        steps_move = bool(group.get("capturable") or group.get("fused"))
+        for param in group["params"]:
+            entries = optimizer.state.get(param, {})
+            for key, value in entries.items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and _same_place(value.device, source)
+                    and (key != "step" or steps_move)
+                ):
+                    entries[key] = value.to(target)
+
+
+class Prober:
+    """Use as a context manager: on entry the state is saved (and the model moved to ``device``
+    if it lives elsewhere); ``probe(b)`` runs one trial; on exit everything is put back.
+
+    A trial runs ``steps`` full training steps (forward, loss, backward, optimizer step) on a
+    batch of ``b`` rows built from the sample, so the optimizer state made by step 1 is alive
+    during step 2. Only out-of-memory errors are caught; any other exception, ``KeyboardInterrupt``
+    included, propagates unchanged after the state is restored. ``phase_hook(name)`` is called
+    when the batch is built (``"batch"``) and at the end of each phase. Each step is timed with
+    ``clock`` (device synchronised), for throughput.
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        device: Device,
+        *,
+        steps: int = 2,
+        limit_bytes: int | None = None,
+        phase_hook: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        check_steps(steps)
+        self.workload = workload
+        self.device = device
+        self.steps = steps
+        self.limit_bytes = limit_bytes
+        self.phase_hook = phase_hook or (lambda phase: None)
+        self.clock = clock
+        self.baseline_bytes = 0
+        self._snapshot: StateSnapshot | None = None
+        self._home: torch.device | None = None
+        self._sample: Any = None
+        self.compile_watch: CompileWatch | None = None  # set when the model probed is a compiled one
+
+    def __enter__(self) -> Prober:
+        work = self.workload
+        self._home = model_device(work.model)
+        target = self.device.torch_device
+        # Move first, then snapshot: moving replaces buffer objects, so the snapshot must hold the
+        # tensors the trials will use; __exit__ restores them there and moves everything back.
+        if not _same_place(self._home, target):
+            work.model.to(target)
+            _move_optimizer_state(work.optimizer, self._home, target)
+        try:
+            self._snapshot = StateSnapshot.take(work.model, work.optimizer)
+            self._sample = move_batch(work.sample_batch, target)
+            self.device.register([*work.state_tensors(), *tensor_leaves(self._sample)])
+            self.device.cleanup()
+            self.baseline_bytes = self.device.live_bytes()
+            self._check_capacity()
+            self.compile_watch = CompileWatch() if is_compiled(work.model) else None
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._sample = None
+        if self._snapshot is not None:
+            self._snapshot.restore()
+        if self._home is not None and not _same_place(self._home, self.device.torch_device):
+            self.workload.model.to(self._home)
+            _move_optimizer_state(self.workload.optimizer, self.device.torch_device, self._home)
+        self.device.cleanup()
+
+    def _check_capacity(self) -> None:
+        check_room(
+            self.device,
+            self.limit_bytes,
+            self.baseline_bytes,
+            "the workload already holds",
+            "parameters, buffers, gradients, optimizer state",
+        )
+
+    def probe(self, batch_size: int) -> Trial:
+        """Run one trial at ``batch_size`` and put the state back."""
+        if self._snapshot is None:
+            raise RuntimeError("use Prober as a context manager: with Prober(...) as prober: prober.probe(8)")
+        record = _Record()
+        start = time.perf_counter()
+        error = None
+        try:
+            self._run_steps(batch_size, record)
+        except BaseException as exc:
+            if not is_oom(exc):
+                self._reset()
+                raise
+            error = summarize_oom(exc)
+        seconds = time.perf_counter() - start
+        self._reset()
+        return self._trial(batch_size, record, seconds, error)
+
+    def _run_steps(self, batch_size: int, record: _Record) -> None:
+        device, work = self.device, self.workload
+        device_type = device.torch_device.type
+
+        def mark(phase: str) -> None:
+            record.peaks[phase] = max(record.peaks.get(phase, 0), device.peak_bytes())
+            record.phase = _NEXT_PHASE.get(phase, "forward")
+            self.phase_hook(phase)
+            device.reset_peak()
+
+        with device.measuring():
+            device.reset_peak()
+            batch = resize_batch(self._sample, batch_size)
+            if self.compile_watch is not None:
+                mark_batch_dynamic(batch)  # one graph for every size, not a recompile per size
+            batch_bytes = sum(t.element_size() * t.numel() for t in tensor_leaves(batch) if t.dim() > 0)
+            self.phase_hook("batch")
+            scaler = work.make_scaler(device_type)
+            for _ in range(self.steps):
+                record.held_bytes = device.live_bytes() - batch_bytes
+                started = self.clock()
+                if work.mode == "train":
+                    work.train_step(batch, device_type, scaler, mark)
+                else:
+                    work.eval_step(batch, device_type, mark)
+                device.synchronize()
+                record.step_seconds.append(self.clock() - started)
+                record.steps += 1
+
+    def _reset(self) -> None:
+        """Restore the state and free what the trial left; a full collection only when needed
+        (after an OOM, tracebacks form reference cycles that hold activations: pytorch#82218)."""
+        assert self._snapshot is not None
+        drain_autograd_queue()
+        self._snapshot.restore()
+        self.device.register(self.workload.state_tensors())  # tensors a restore had to re-create
+        self.device.cleanup()
+        if self.device.live_bytes() > self.baseline_bytes:
+            self.device.collect()
+
+    def _trial(self, batch_size: int, record: _Record, seconds: float, error: str | None) -> Trial:
+        common = dict(
+            phase_peak_bytes=record.peaks,
+            steps=record.steps,
+            held_bytes=record.held_bytes,
+            step_seconds=tuple(record.step_seconds),
+        )
+        if error is not None:
+            return Trial(batch_size, False, None, seconds, error, oom=True, failed_phase=record.phase, **common)
+        timeline, exact = self.device.timeline(), self.device.exact_timeline()
+        common["timeline"] = tuple(timeline) if timeline else None
+        common["exact_timeline"] = tuple(exact) if exact else None
+        peak = max(record.peaks.values())
+        if self.limit_bytes is not None and peak > self.limit_bytes:
+            over = (
+                f"peak {format_bytes(peak)} is over the usable {format_bytes(self.limit_bytes)} (capacity minus margin)"
+            )
+            return Trial(batch_size, False, peak, seconds, over, **common)
+        return Trial(batch_size, True, peak, seconds, None, **common)
+
+
+def check_steps(steps: Any) -> None:
+    """``steps`` must be a positive integer (a trial's full training steps)."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be at least 1 (2 or more to include optimizer state), got {steps!r}")
+
+
+def check_room(device: Any, limit_bytes: int | None, baseline_bytes: int, holder: str, held: str) -> None:
+    """``ModelDoesNotFitError`` when what is held before any batch already fills the usable
+    memory (``limit_bytes``, else the device's capacity); ``holder`` and ``held`` word the message."""
+    limit = limit_bytes if limit_bytes is not None else device.capacity_bytes()
+    if limit is not None and baseline_bytes >= limit:
+        raise ModelDoesNotFitError(
+            f"{device.name} has {format_bytes(limit)} usable but {holder} {format_bytes(baseline_bytes)} "
+            f"before any batch ({held}): give a larger capacity or a smaller margin"
+        )
+
+
+@dataclass
+class _Record:
+    """What a trial has measured so far (kept when an OOM cuts it short)."""
+
+    peaks: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+    held_bytes: int | None = None
+    phase: str = "forward"  # where the trial is now: the phase an OOM struck in
+    step_seconds: list[float] = field(default_factory=list)
+
+
+_NEXT_PHASE = {"forward": "backward", "backward": "optimizer"}

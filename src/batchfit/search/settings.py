@@ -1,0 +1,84 @@
+"""SearchSettings: how a search runs, checked once and passed along as one frozen value.
+
+Every entry point that searches (``find_max_batch_size``, ``find_optimal_batch_size``, the sweep,
+the Microbatcher, the integrations) takes the same keywords and builds one of these; everything
+below them reads it instead of re-listing a dozen arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from batchfit.search.cached import CacheSpec
+from batchfit.search.prober import check_steps
+from batchfit.search.strategies import Strategy
+from batchfit.search.strategies import make_strategy
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a size
+
+
+def check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: int | None) -> None:
+    """A ``ValueError`` naming the bad bound: sizes are integers ``1 <= min <= max``, ``max_trials >= 1``."""
+    if not _is_count(min_batch_size) or min_batch_size < 1:
+        raise ValueError(f"min_batch_size must be an integer of at least 1, got {min_batch_size!r}")
+    if max_batch_size is not None and (not _is_count(max_batch_size) or max_batch_size < min_batch_size):
+        raise ValueError(
+            f"max_batch_size must be an integer >= min_batch_size ({min_batch_size}), got {max_batch_size!r}"
+        )
+    if max_trials is not None and (not _is_count(max_trials) or max_trials < 1):
+        raise ValueError(f"max_trials must be an integer of at least 1, or None, got {max_trials!r}")
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """How a search runs. Checked when built, so a bad value fails before any trial.
+
+    >>> SearchSettings(max_batch_size=64, margin=0.05).replace(strategy="binary").strategy
+    'binary'
+    >>> SearchSettings(min_batch_size=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: min_batch_size must be an integer of at least 1, got 0
+    """
+
+    min_batch_size: int = 1
+    """The smallest size to consider; a search that cannot fit it raises ``NoBatchFitsError``."""
+    max_batch_size: int | None = None
+    """The caller's cap on the sizes tried (``None``: derived from the free memory)."""
+    strategy: str | Strategy = "auto"
+    """``auto``, ``binary``, ``power``, ``grow``, ``halving``, or an object with ``.next(trials, space)``."""
+    margin: int | float | str = 0
+    """Headroom kept free: bytes, a size string such as ``"512MiB"``, or a fraction such as ``0.05``."""
+    max_trials: int | None = None
+    """Stop after this many trials (the result is then marked not ``exact``)."""
+    steps: int = 2
+    """Full training steps per trial; two or more include the optimizer state of a steady step."""
+    trace: bool = True
+    """With ``auto``, estimate the edge on fake tensors first and let real trials verify it."""
+    cache: CacheSpec = False
+    """``True``, a folder or a ``ResultCache``: answer a search that ran before with zero trials."""
+    agree: bool | None = None
+    """Make all ranks agree on every trial (default: when a process group is initialised)."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self.min_batch_size, self.max_batch_size, self.max_trials)
+        check_steps(self.steps)
+        make_strategy(self.strategy)  # an unknown name fails here, naming the strategies
+        if not isinstance(self.trace, bool):
+            raise TypeError(f"trace must be True or False, got {self.trace!r}")
+
+    def replace(self, **changes: Any) -> SearchSettings:
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def of(cls, settings: SearchSettings | None = None, **changes: Any) -> SearchSettings:
+        """``settings`` (default: the defaults) with ``changes``: how entry points take both forms."""
+        base = settings if settings is not None else cls()
+        if not isinstance(base, cls):
+            raise TypeError(f"settings must be a batchfit SearchSettings, got {type(base).__name__}")
+        return base.replace(**changes) if changes else base

@@ -1,0 +1,280 @@
+"""Maximum is not optimal: the smallest batch whose throughput is within a tolerance of the best.
+
+Steady-state step time is measured at a geometric grid of batch sizes up to the largest that
+fits (warm-up steps excluded, the median of several timed steps, the device synchronised), then
+refined near the knee. Step time is also fitted as t(B) = alpha + beta*B, whose throughput
+B/t(B) reaches a fraction f of its ceiling 1/beta at B = f/(1-f) * alpha/beta: the 90% knee is
+9*alpha/beta and the 95% knee 19*alpha/beta.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+
+import numpy as np
+import torch
+
+from batchfit.devices.resolve import resolve_device
+from batchfit.devices.units import format_bytes
+from batchfit.errors import NoBatchFitsError
+from batchfit.search.prober import Prober
+from batchfit.search.runner import DeviceSpec
+from batchfit.search.runner import search_workload
+from batchfit.search.runner import usable_bytes
+from batchfit.step.workload import Workload
+
+
+@dataclass(frozen=True)
+class ThroughputPoint:
+    """One batch size: median steady-state step time, samples/s, tokens/s, and peak memory."""
+
+    batch_size: int
+    step_seconds: float
+    samples_per_second: float
+    tokens_per_second: float | None
+    peak_bytes: int | None
+    epoch_seconds: float | None = None
+
+
+@dataclass
+class ThroughputResult:
+    """The chosen batch (smallest within ``tolerance`` of the best throughput), every point
+    measured, the fitted t(B) = alpha + beta*B and its knees, and the memory saved."""
+
+    batch_size: int
+    best_batch_size: int
+    max_batch_size: int
+    tolerance: float
+    points: list[ThroughputPoint]
+    alpha_seconds: float
+    beta_seconds_per_sample: float
+    reason: str
+    memory_saved_bytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def knee(self, fraction: float) -> float | None:
+        """The batch at which the fitted throughput reaches ``fraction`` of its ceiling."""
+        if self.beta_seconds_per_sample <= 0 or self.alpha_seconds <= 0:
+            return None
+        return fraction / (1 - fraction) * self.alpha_seconds / self.beta_seconds_per_sample
+
+    def point(self, batch_size: int) -> ThroughputPoint:
+        return next(p for p in self.points if p.batch_size == batch_size)
+
+    def summary(self) -> str:
+        chosen, best = self.point(self.batch_size), self.point(self.best_batch_size)
+        saved = (
+            f", {format_bytes(self.memory_saved_bytes)} less memory than the maximum" if self.memory_saved_bytes else ""
+        )
+        return (
+            f"Use batch size {self.batch_size}: {chosen.samples_per_second:,.1f} samples/s, "
+            f"{chosen.samples_per_second / best.samples_per_second:.0%} of the best ({best.samples_per_second:,.1f} at "
+            f"{self.best_batch_size}){saved}. {self.reason}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "best_batch_size": self.best_batch_size,
+            "max_batch_size": self.max_batch_size,
+            "tolerance": self.tolerance,
+            "alpha_seconds": self.alpha_seconds,
+            "beta_seconds_per_sample": self.beta_seconds_per_sample,
+            "knee_90": self.knee(0.90),
+            "knee_95": self.knee(0.95),
+            "memory_saved_bytes": self.memory_saved_bytes,
+            "reason": self.reason,
+            "notes": list(self.notes),
+            "points": [asdict(p) for p in self.points],
+        }
+
+
+def _grid(top: int) -> list[int]:
+    sizes = [1 << k for k in range(int(math.log2(top)) + 1)]
+    return sorted({*sizes, top})
+
+
+def _fit_line(points: list[ThroughputPoint]) -> tuple[float, float]:
+    if len(points) < 2:
+        return points[0].step_seconds, 0.0
+    sizes = np.array([p.batch_size for p in points], dtype=float)
+    times = np.array([p.step_seconds for p in points], dtype=float)
+    beta, alpha = np.polyfit(sizes, times, 1)
+    return float(alpha), float(beta)
+
+
+class _Meter:
+    """Times a workload at one batch size after another, state restored after each."""
+
+    def __init__(self, prober: Prober, warmup_steps: int, tokens_per_sample: int | None, dataset_size: int | None):
+        self.prober, self.warmup_steps = prober, warmup_steps
+        self.tokens_per_sample, self.dataset_size = tokens_per_sample, dataset_size
+        self.points: dict[int, ThroughputPoint] = {}
+
+    def measure(self, batch_size: int) -> ThroughputPoint | None:
+        if batch_size not in self.points:
+            trial = self.prober.probe(batch_size)
+            if not trial.fits:
+                return None
+            seconds = statistics.median(trial.step_seconds[self.warmup_steps :])
+            rate = batch_size / seconds if seconds > 0 else math.inf
+            tokens = rate * self.tokens_per_sample if self.tokens_per_sample else None
+            epoch = math.ceil(self.dataset_size / batch_size) * seconds if self.dataset_size else None
+            self.points[batch_size] = ThroughputPoint(batch_size, seconds, rate, tokens, trial.peak_bytes, epoch)
+        return self.points[batch_size]
+
+    def within(self, tolerance: float) -> list[ThroughputPoint]:
+        best = max(p.samples_per_second for p in self.points.values())
+        return sorted(
+            (p for p in self.points.values() if p.samples_per_second >= (1 - tolerance) * best),
+            key=lambda p: p.batch_size,
+        )
+
+
+def _refine(meter: _Meter, tolerance: float, rounds: int) -> None:
+    """Bisect (geometrically) between the smallest size within tolerance and the size below it."""
+    for _ in range(rounds):
+        good = meter.within(tolerance)[0].batch_size
+        below = max((b for b in meter.points if b < good), default=None)
+        if below is None or good - below <= 1:
+            return
+        middle = round(math.sqrt(below * good))
+        if middle in (below, good) or meter.measure(middle) is None:
+            return
+
+
+def _choose(meter: _Meter, tolerance: float, time_budget_seconds: float | None) -> tuple[int, str, list[str]]:
+    candidates = meter.within(tolerance)
+    reason = f"It is the smallest batch within {tolerance:.0%} of the best throughput."
+    if time_budget_seconds is None:
+        return candidates[0].batch_size, reason, []
+    fitting = sorted(
+        (p for p in meter.points.values() if p.epoch_seconds <= time_budget_seconds), key=lambda p: p.batch_size
+    )
+    if fitting:
+        return (
+            fitting[0].batch_size,
+            f"It is the smallest batch whose projected epoch ({fitting[0].epoch_seconds:.1f} s) fits the {time_budget_seconds:g} s budget.",
+            [],
+        )
+    fastest = min(meter.points.values(), key=lambda p: p.epoch_seconds)
+    note = f"no batch size meets the {time_budget_seconds:g} s epoch budget: the fastest epoch is {fastest.epoch_seconds:.1f} s at {fastest.batch_size}"
+    return fastest.batch_size, "It has the fastest projected epoch.", [note]
+
+
+def find_optimal_batch_size(
+    model: torch.nn.Module,
+    sample_batch: Any,
+    *,
+    loss_fn: Callable | None = None,
+    optimizer: Any = None,
+    amp_dtype: torch.dtype | str | None = None,
+    device: DeviceSpec = None,
+    max_batch_size: int | None = None,
+    tolerance: float = 0.05,
+    safety_fraction: float | None = None,
+    warmup_steps: int = 2,
+    timed_steps: int = 5,
+    refine_rounds: int = 3,
+    tokens_per_sample: int | None = None,
+    dataset_size: int | None = None,
+    time_budget_seconds: float | None = None,
+    mode: str = "train",
+    step_fn: Callable | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> ThroughputResult:
+    """The throughput-optimal batch: the smallest within ``tolerance`` of the best samples/s.
+
+    ``max_batch_size`` (else found with ``find_max_batch_size``) bounds the grid;
+    ``safety_fraction`` (e.g. 0.8, seed 001) keeps it below that share of the maximum.
+    ``tokens_per_sample`` adds tokens/s. With ``dataset_size`` and ``time_budget_seconds``, the
+    choice is the smallest batch whose projected epoch time fits the budget.
+    """
+    workload = Workload(
+        model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
+    )
+    return optimal_for_workload(
+        workload,
+        device=device,
+        max_batch_size=max_batch_size,
+        tolerance=tolerance,
+        safety_fraction=safety_fraction,
+        warmup_steps=warmup_steps,
+        timed_steps=timed_steps,
+        refine_rounds=refine_rounds,
+        tokens_per_sample=tokens_per_sample,
+        dataset_size=dataset_size,
+        time_budget_seconds=time_budget_seconds,
+        clock=clock,
+    )
+
+
+def _check(
+    tolerance: float,
+    safety_fraction: float | None,
+    warmup_steps: int,
+    timed_steps: int,
+    dataset_size: int | None,
+    time_budget_seconds: float | None,
+) -> None:
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"tolerance must be in [0, 1), got {tolerance=}")
+    if safety_fraction is not None and not 0 < safety_fraction <= 1:
+        raise ValueError(f"safety_fraction must be in (0, 1], got {safety_fraction=}")
+    if warmup_steps < 0 or timed_steps < 1:
+        raise ValueError(f"need warmup_steps >= 0 and timed_steps >= 1, got {warmup_steps=}, {timed_steps=}")
+    if time_budget_seconds is not None and dataset_size is None:
+        raise ValueError("a time budget needs dataset_size (samples per epoch) to project epoch times")
+
+
+def optimal_for_workload(
+    workload: Workload,
+    *,
+    device: DeviceSpec = None,
+    max_batch_size: int | None = None,
+    tolerance: float = 0.05,
+    safety_fraction: float | None = None,
+    warmup_steps: int = 2,
+    timed_steps: int = 5,
+    refine_rounds: int = 3,
+    tokens_per_sample: int | None = None,
+    dataset_size: int | None = None,
+    time_budget_seconds: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> ThroughputResult:
+    """``find_optimal_batch_size`` for a ``Workload``."""
+    _check(tolerance, safety_fraction, warmup_steps, timed_steps, dataset_size, time_budget_seconds)
+    if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
+        raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+    dev = resolve_device(device, workload.model)
+    maximum = max_batch_size or search_workload(workload, device=dev).batch_size
+    top = max(1, math.floor(maximum * safety_fraction)) if safety_fraction else maximum
+    _capacity, limit = usable_bytes(dev, 0)
+    if getattr(dev, "record_timeline", False):
+        dev.record_timeline = False  # a per-op read of the allocator would be timed too
+    with Prober(dev.prepare(workload), dev, steps=warmup_steps + timed_steps, limit_bytes=limit, clock=clock) as prober:
+        meter = _Meter(prober, warmup_steps, tokens_per_sample, dataset_size)
+        for size in _grid(top):
+            if meter.measure(size) is None:
+                break
+        if not meter.points:
+            raise NoBatchFitsError(
+                f"even batch size 1 does not fit on {dev.name} while timing steps: free memory or lower the model's", []
+            )
+        _refine(meter, tolerance, refine_rounds)
+    chosen, reason, notes = _choose(meter, tolerance, time_budget_seconds)
+    points = sorted(meter.points.values(), key=lambda p: p.batch_size)
+    best = max(points, key=lambda p: p.samples_per_second).batch_size
+    alpha, beta = _fit_line(points)
+    largest = meter.points.get(top)
+    saved = largest.peak_bytes - meter.points[chosen].peak_bytes if largest and largest.peak_bytes is not None else None
+    if safety_fraction:
+        notes.append(f"kept below {safety_fraction:.0%} of the maximum ({maximum}): at most {top}")
+    return ThroughputResult(chosen, best, maximum, tolerance, points, alpha, beta, reason, saved, notes)

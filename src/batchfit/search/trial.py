@@ -1,0 +1,56 @@
+"""Trial: the outcome of one probe at one batch size."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+
+from batchfit.devices.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One probe: did ``batch_size`` fit, at what peak, in how long.
+
+    ``peak_bytes`` is the absolute peak (model included) over all steps, ``None`` after an OOM;
+    ``phase_peak_bytes`` splits it by phase (``forward``, ``backward``, ``optimizer``);
+    ``failed_phase`` names the phase an OOM struck in (``forward`` also covers building the batch);
+    ``steps`` counts the full steps that completed; ``oom`` tells a real out-of-memory error from
+    a peak over the usable memory (capacity minus margin); ``held_bytes`` is what was live at the
+    start of the last step apart from the batch (parameters, buffers, optimizer state);
+    ``timeline`` holds the live bytes after every op, where the device records them, and
+    ``exact_timeline`` the same before allocator rounding; ``step_seconds`` times each full step.
+    """
+
+    batch_size: int
+    fits: bool
+    peak_bytes: int | None
+    seconds: float
+    error: str | None = None
+    phase_peak_bytes: Mapping[str, int] = field(default_factory=dict)
+    steps: int = 0
+    oom: bool = False
+    held_bytes: int | None = None
+    timeline: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    exact_timeline: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    failed_phase: str | None = None
+    step_seconds: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["phase_peak_bytes"] = dict(self.phase_peak_bytes)
+        del data["timeline"], data["exact_timeline"]  # one number per op: for the memory model only
+        return data
+
+    def describe(self, capacity_bytes: int | None = None) -> str:
+        """A log line in seed 002's style: ``✓ Batch size 28 fits — peak 5.2 GiB of 8.0 GiB (0.4 s)``."""
+        if self.fits:
+            of = f" of {format_bytes(capacity_bytes)}" if capacity_bytes else ""
+            return (
+                f"✓ Batch size {self.batch_size} fits — peak {format_bytes(self.peak_bytes)}{of} ({self.seconds:.1f} s)"
+            )
+        reason = f"out of memory in {self.failed_phase}" if self.oom else (self.error or "does not fit")
+        return f"✗ Batch size {self.batch_size}: {reason}"

@@ -1,0 +1,26 @@
+"""Calling a workload factory with options: which it takes, and a clear error for those it does not."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+
+def check_options(name: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
+    """A ``ValueError`` naming the options ``factory`` (a workload factory called as ``name``) does not take."""
+    parameters = inspect.signature(factory).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    unknown = [key for key in options if key not in parameters and not takes_any]
+    if unknown:
+        flags = ", ".join("--" + key.replace("_", "-") for key in unknown)
+        accepted = ", ".join("--" + key.replace("_", "-") for key in parameters) or "no options"
+        raise ValueError(f"workload {name} does not take {flags} (it takes {accepted})")
+
+
+def accepted_options(factory: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
+    """The options ``factory`` takes (all of them when it takes ``**kwargs``)."""
+    parameters = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return options
+    return {key: value for key, value in options.items() if key in parameters}

@@ -1,0 +1,146 @@
+"""Snapshot everything a probe touches and put it back bitwise.
+
+Parameters, buffers, ``.grad``s, optimizer state (``step`` counts included) and hyper-parameters,
+the RNG states (torch CPU and accelerators, Python, NumPy) and every module's train/eval flag.
+Copies live in host memory, never on the device being probed.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _put_back(current: torch.Tensor | None, saved: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``saved`` written into ``current`` in place when it can be, else a fresh copy on ``device``."""
+    same_layout = (
+        current is not None
+        and current.shape == saved.shape
+        and current.dtype == saved.dtype
+        and current.device == device
+    )
+    if same_layout:
+        with torch.no_grad():
+            current.copy_(saved)
+        return current
+    return saved.to(device, copy=True)
+
+
+@dataclass
+class _SavedTensor:
+    tensor: torch.Tensor
+    device: torch.device
+    value: torch.Tensor
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _SavedTensor:
+        return cls(tensor, tensor.device, _host_copy(tensor))
+
+
+def _save_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
+    state = {}
+    for param, entries in optimizer.state.items():
+        state[param] = {
+            key: (value.device, _host_copy(value)) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+            for key, value in entries.items()
+        }
+    groups = [
+        {key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+        for group in optimizer.param_groups
+    ]
+    return state, groups
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, state: dict, groups: list[dict]) -> None:
+    for param in [p for p in optimizer.state if p not in state]:
+        del optimizer.state[param]
+    for param, saved_entries in state.items():
+        current = optimizer.state[param]
+        for key in [k for k in current if k not in saved_entries]:
+            del current[key]
+        for key, saved in saved_entries.items():
+            if isinstance(saved, tuple):
+                device, value = saved
+                current[key] = _put_back(current.get(key), value, device)
+            else:
+                current[key] = copy.deepcopy(saved)
+    for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
+        group.update(copy.deepcopy(saved_group))
+
+
+def save_rng() -> dict[str, Any]:
+    """Every random number generator a step may draw from: torch (and CUDA's), Python's and numpy's."""
+    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.backends.mps.is_available():
+        rng["mps"] = torch.mps.get_rng_state()
+    return rng
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    """Put back the generators ``save_rng`` took."""
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "mps" in rng:
+        torch.mps.set_rng_state(rng["mps"])
+
+
+@dataclass
+class StateSnapshot:
+    """A host-memory copy of a model's and optimizer's state; ``restore()`` puts it back bitwise.
+
+    >>> model = torch.nn.Linear(2, 2)
+    >>> snapshot = StateSnapshot.take(model)
+    >>> _ = model.weight.data.add_(1.0)
+    >>> snapshot.restore()
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    tensors: list[_SavedTensor] = field(default_factory=list)
+    grads: list[tuple[torch.Tensor, tuple[torch.device, torch.Tensor] | None]] = field(default_factory=list)
+    training: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
+    optimizer_state: dict = field(default_factory=dict)
+    optimizer_groups: list[dict] = field(default_factory=list)
+    rng: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def take(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> StateSnapshot:
+        snapshot = cls(model, optimizer)
+        params = list(model.parameters())
+        snapshot.tensors = [_SavedTensor.of(t) for t in [*params, *model.buffers()]]
+        # Only the gradient's place and host copy: holding the tensor itself would pin its
+        # device memory for as long as the snapshot lives.
+        snapshot.grads = [(p, None if p.grad is None else (p.grad.device, _host_copy(p.grad))) for p in params]
+        snapshot.training = [(module, module.training) for module in model.modules()]
+        if optimizer is not None:
+            snapshot.optimizer_state, snapshot.optimizer_groups = _save_optimizer(optimizer)
+        snapshot.rng = save_rng()
+        return snapshot
+
+    def restore(self) -> None:
+        """Put everything back as it was when the snapshot was taken."""
+        with torch.no_grad():
+            for saved in self.tensors:
+                saved.tensor.copy_(saved.value)
+        for param, saved_grad in self.grads:
+            param.grad = None if saved_grad is None else _put_back(param.grad, saved_grad[1], saved_grad[0])
+        for module, training in self.training:
+            module.training = training
+        if self.optimizer is not None:
+            _restore_optimizer(self.optimizer, self.optimizer_state, self.optimizer_groups)
+        restore_rng(self.rng)

@@ -1,0 +1,265 @@
+"""Workload: the model, one sample batch, the loss, the optimizer and AMP, and how one step runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchfit.step.batching import batch_length
+from batchfit.step.batching import tensor_leaves
+
+MODES = ("train", "eval", "generate")
+AMP_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+_CALL_HELP = {
+    "loss_fn": "pass loss_fn(output, targets) -> scalar tensor, e.g. torch.nn.functional.cross_entropy",
+    "step_fn": "pass step_fn(model, batch) -> scalar loss tensor",
+}
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+StepFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+PhaseMark = Callable[[str], None]
+
+
+def _amp_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    if value is None or value in (torch.float16, torch.bfloat16):
+        return value
+    if isinstance(value, str) and value.lower() in AMP_DTYPES:
+        return AMP_DTYPES[value.lower()]
+    raise ValueError(f"amp_dtype must be torch.float16, torch.bfloat16, 'fp16', 'bf16' or None, got {value!r}")
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    own = {id(p) for p in model.parameters()}
+    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} parameter(s) that are not the model's: build it "
+            "from model.parameters() of the model you pass"
+        )
+
+
+@dataclass
+class Workload:
+    """What a probe runs: ``model``, one ``sample_batch``, ``loss_fn``, ``optimizer``, ``amp_dtype``.
+
+    Calling convention (as in seed 000): a sample ``(inputs, targets)`` runs
+    ``loss_fn(model(inputs), targets)``; a mapping runs ``model(**batch)`` and uses ``output.loss``
+    unless ``loss_fn(output, batch)`` is given; anything else runs ``model(batch)`` and
+    ``loss_fn(output, batch)``. ``step_fn(model, batch) -> loss`` overrides all of it.
+    ``optimizer`` may also be a factory ``params -> Optimizer``. ``mode="eval"`` runs the forward
+    pass only, under ``torch.no_grad()``. ``mode="generate"`` runs generation under
+    ``torch.no_grad()``, so the KV cache is in the probe (seed 002): ``step_fn(model, batch)`` if
+    given (e.g. ``lambda m, b: m.generate(**b, max_new_tokens=64)``), else ``model.generate(inputs,
+    max_new_tokens=max_new_tokens)`` (a mapping batch is passed as keywords, without ``labels``).
+    ``accumulating=True`` runs each step as a later micro-batch of a gradient-accumulation window:
+    the gradients exist (as zeros) before the forward, so their memory is held through forward and
+    backward, as in training with ``gradient_accumulation_steps > 1``.
+
+    >>> model = torch.nn.Linear(4, 2)
+    >>> work = Workload(model, (torch.randn(8, 4), torch.randint(0, 2, (8,))),
+    ...                 loss_fn=torch.nn.functional.cross_entropy,
+    ...                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> work.sample_length
+    8
+    """
+
+    model: torch.nn.Module
+    sample_batch: Any
+    loss_fn: LossFn | None = None
+    optimizer: torch.optim.Optimizer | OptimizerFactory | None = None
+    amp_dtype: torch.dtype | str | None = None
+    mode: str = "train"
+    step_fn: StepFn | None = None
+    name: str | None = None
+    max_new_tokens: int = 16
+    accumulating: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        self.amp_dtype = _amp_dtype(self.amp_dtype)
+        self.sample_length = batch_length(self.sample_batch)
+        if self.mode == "generate":
+            _check_generation(self)
+        if self.mode == "train" and not any(p.requires_grad for p in self.model.parameters()):
+            raise ValueError("the model has no parameters that require grad, so it cannot train: use mode='eval'")
+        for name in ("loss_fn", "step_fn"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise TypeError(f"{name} must be a function, got {getattr(self, name)!r}: {_CALL_HELP[name]}")
+        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+            if not callable(self.optimizer):
+                raise TypeError("optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer")
+            made = self.optimizer(self.model.parameters())
+            if not isinstance(made, torch.optim.Optimizer):
+                raise TypeError(
+                    f"the optimizer factory returned {type(made).__name__}, not a torch.optim.Optimizer: "
+                    "return one, e.g. lambda params: torch.optim.AdamW(params)"
+                )
+            self.optimizer = made
+        if self.optimizer is not None:
+            _check_optimizer(self.optimizer, self.model)
+        self.name = self.name or type(self.model).__name__
+
+    # -- what a step holds -------------------------------------------------------------------
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Tensors the workload holds between steps: parameters, buffers, grads, optimizer state."""
+        held = [*self.model.parameters(), *self.model.buffers()]
+        held += [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.optimizer is not None:
+            for entries in self.optimizer.state.values():
+                held += [v for v in entries.values() if isinstance(v, torch.Tensor)]
+        return held
+
+    def sample_bytes(self) -> int:
+        return sum(t.element_size() * t.numel() for t in tensor_leaves(self.sample_batch))
+
+    # -- running a step ------------------------------------------------------------------------
+
+    def _forward(self, batch: Any) -> Any:
+        """The loss (or, in eval mode without a loss, the output) for ``batch``."""
+        return compute_loss(
+            self.model, batch, loss_fn=self.loss_fn, step_fn=self.step_fn, need_loss=self.mode == "train"
+        )
+
+    def train_step(self, batch: Any, device_type: str, scaler: Any, mark: PhaseMark) -> None:
+        """One full step, marking each phase's end: forward and loss (``mark("forward")``),
+        backward (``mark("backward")``), optimizer step and ``zero_grad`` (``mark("optimizer")``)."""
+        if self.accumulating:
+            hold_gradients(self.model)
+        with autocast(device_type, self.amp_dtype):
+            loss = self._forward(batch)
+        _check_loss(loss)
+        mark("forward")
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        del loss
+        mark("backward")
+        if self.optimizer is None:
+            self.model.zero_grad(set_to_none=True)
+            return
+        if scaler is not None:
+            # A probe must run the step even when a fresh scaler's first scale overflows (it would
+            # skip it, and the optimizer state would never be measured); the state is restored anyway.
+            scaler.unscale_(self.optimizer)
+            self.optimizer.step()
+            scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        mark("optimizer")
+
+    def eval_step(self, batch: Any, device_type: str, mark: PhaseMark) -> None:
+        """One forward pass, or with ``mode="generate"`` one generation, under ``torch.no_grad()``
+        (``mark("forward")``)."""
+        self.model.eval()
+        with torch.no_grad(), autocast(device_type, self.amp_dtype):
+            output = self._generate(batch) if self.mode == "generate" else self._forward(batch)
+        del output
+        mark("forward")
+
+    def _generate(self, batch: Any) -> Any:
+        if self.step_fn is not None:
+            return self.step_fn(self.model, batch)
+        if isinstance(batch, Mapping):
+            inputs = {key: value for key, value in batch.items() if key != "labels"}
+            return self.model.generate(**inputs, max_new_tokens=self.max_new_tokens)
+        inputs = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+        return self.model.generate(inputs, max_new_tokens=self.max_new_tokens)
+
+    def make_scaler(self, device_type: str) -> Any:
+        """A GradScaler for fp16 training where the device type has one, else ``None``."""
+        if self.mode != "train" or self.amp_dtype != torch.float16:
+            return None
+        try:
+            return torch.amp.GradScaler(device_type)
+        except (RuntimeError, ValueError):  # device type without a GradScaler
+            return None
+
+
+def hold_gradients(model: torch.nn.Module) -> None:
+    """Give every trainable parameter without a gradient a zero one, as an accumulation window's
+    earlier micro-batches would have left it."""
+    for param in model.parameters():
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)
+
+
+def _check_generation(workload: Workload) -> None:
+    if workload.step_fn is None and not callable(getattr(workload.model, "generate", None)):
+        raise ValueError(
+            f"mode='generate' needs a model with .generate() or step_fn(model, batch) that generates; "
+            f"{type(workload.model).__name__} has no .generate"
+        )
+    if not isinstance(workload.max_new_tokens, int) or workload.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {workload.max_new_tokens!r}")
+
+
+def compute_loss(
+    model: torch.nn.Module,
+    batch: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    need_loss: bool = True,
+) -> Any:
+    """Run ``model`` on ``batch`` by the calling convention and return the loss.
+
+    A pair ``(inputs, targets)`` runs ``loss_fn(model(inputs), targets)``; a mapping runs
+    ``model(**batch)`` and uses ``output.loss`` unless ``loss_fn(output, batch)`` is given;
+    anything else runs ``model(batch)`` and ``loss_fn(output, batch)``; ``step_fn(model, batch)``
+    overrides all of it. Without a loss and with ``need_loss=False``, the output is returned.
+    """
+    if step_fn is not None:
+        return step_fn(model, batch)
+    output, targets = call_by_convention(model, batch)
+    if loss_fn is not None:
+        return loss_fn(output, targets)
+    if not need_loss:
+        return output
+    if isinstance(batch, Mapping):
+        return _loss_attribute(output)
+    raise ValueError("this batch needs a loss: pass loss_fn(output, targets) or step_fn(model, batch)")
+
+
+def call_by_convention(model: Any, batch: Any) -> tuple[Any, Any]:
+    """``(output, targets)``: a mapping runs ``model(**batch)`` (targets: the batch), a pair
+    ``(inputs, targets)`` runs ``model(inputs)``, anything else ``model(batch)`` (targets: the batch).
+    Any callable model: torch's and MLX's alike."""
+    if isinstance(batch, Mapping):
+        return model(**batch), batch
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return model(batch[0]), batch[1]
+    return model(batch), batch
+
+
+def autocast(device_type: str, dtype: torch.dtype | None):
+    """``torch.autocast`` to ``dtype`` on ``device_type``, or a no-op when ``dtype`` is ``None``."""
+    return torch.autocast(device_type=device_type, dtype=dtype, enabled=dtype is not None)
+
+
+def _loss_attribute(output: Any) -> Any:
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError(
+            "the model's output has no .loss: pass loss_fn(output, batch), or labels in the batch "
+            "(Hugging Face models compute the loss when given labels)"
+        )
+    return loss
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"the loss must be a tensor, got {type(loss).__name__}: return a scalar tensor from loss_fn")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"the loss must be a scalar, got shape {tuple(loss.shape)}: reduce it in loss_fn (e.g. .mean())"
+        )

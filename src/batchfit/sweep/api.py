@@ -1,0 +1,117 @@
+"""sweep: the largest batch of every configuration in a grid (seed 002), each found from an estimate.
+
+Each configuration is searched independently, under an upper limit (``max_batch_size``, seed
+002's ``--batch_size``: never exceeded), starting from an estimate taken, in order, from a
+memory model fitted across the configurations already measured (``crossconfig``), the trace
+device, or scale-factor rules (``rules``). Every configuration's record is written to the results
+file as soon as it is known, so a crash loses nothing and a re-run resumes; with the result cache
+a configuration searched before costs no trial at all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from batchfit.search.cached import CacheSpec
+from batchfit.search.runner import DeviceSpec
+from batchfit.search.settings import check_bounds
+from batchfit.search.strategies import make_strategy
+from batchfit.step.workload import Workload
+from batchfit.sweep.results import SweepResult
+from batchfit.sweep.rules import ScaleRules
+from batchfit.sweep.runner import ESTIMATE_SOURCES
+from batchfit.sweep.runner import Measure
+from batchfit.sweep.runner import SweepRunner
+from batchfit.sweep.runner import SweepSettings
+
+logger = logging.getLogger("batchfit")
+
+
+def grid_configs(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+    """Every combination of the grid's values, the first knob varying slowest.
+
+    >>> grid_configs({"seq_len": [128, 256], "top_k": [1, 2]})[:3]
+    [{'seq_len': 128, 'top_k': 1}, {'seq_len': 128, 'top_k': 2}, {'seq_len': 256, 'top_k': 1}]
+    """
+    if not isinstance(grid, Mapping) or not grid:
+        raise ValueError("the grid must map each knob to its values, e.g. {'seq_len': [128, 256]}")
+    values = []
+    for name, options in grid.items():
+        if isinstance(options, (str, bytes)) or not isinstance(options, Sequence) or not options:
+            raise ValueError(f"grid knob {name!r} needs a non-empty list of values, got {options!r}")
+        values.append(list(dict.fromkeys(options)))  # a repeated value is one configuration
+    return [dict(zip(grid, combination, strict=True)) for combination in itertools.product(*values)]
+
+
+def sweep_grid(
+    factory: Callable[..., Workload],
+    grid: Mapping[str, Sequence[Any]],
+    *,
+    device: DeviceSpec = None,
+    max_batch_size: int | None = None,
+    min_batch_size: int = 1,
+    auto_adjust: bool = True,
+    strategy: str = "auto",
+    estimate: Sequence[str] = ESTIMATE_SOURCES,
+    rules: ScaleRules | Mapping[str, Any] | str | Path | None = None,
+    results_path: str | Path | None = None,
+    measure: Measure | None = None,
+    cache: CacheSpec = True,
+    margin: int | float | str = 0,
+    max_trials: int | None = None,
+    steps: int = 2,
+    log: Callable[[str], None] | None = None,
+    name: str | None = None,
+) -> SweepResult:
+    """The largest batch of every configuration of ``grid``: ``factory(**knobs)`` builds each one's
+    ``Workload`` (any mode: ``train``, ``eval``, ``generate``).
+
+    ``max_batch_size`` is the upper limit (seed 002's ``--batch_size``); with ``auto_adjust=False``
+    it is the one size used, checked once per configuration. The search starts from the first
+    estimate that ``estimate`` names: ``"model"`` (fitted across the configurations measured so
+    far), ``"trace"`` (fake tensors) or ``"rules"`` (``rules``: a ``ScaleRules``, a dict or a
+    .json/.toml file). ``strategy`` is ``auto`` (default) or a seed's, e.g. ``grow`` (x1.5 up,
+    then bisect; at most 5 trials unless ``max_trials``). Records are written to ``results_path``
+    after every configuration (atomically), and a re-run with the same path measures only what is
+    missing. ``measure(knobs, batch_size, workload)`` runs the real measurement with the batch found;
+    a dict it returns joins the record. ``cache`` (default on) answers configurations searched
+    before with zero trials. ``log`` receives seed 002's log lines (default: the ``batchfit`` logger).
+
+    >>> import batchfit as bf
+    >>> from batchfit.cli.examples import gpt_tiny
+    >>> result = sweep_grid(gpt_tiny, {"seq_len": [16, 32]}, device="sim:32MiB", cache=False)
+    >>> [r["batch_size_used"] for r in result.records], result.total_trials
+    ([71, 35], 4)
+    """
+    configs = grid_configs(grid)
+    unknown = [source for source in estimate if source not in ESTIMATE_SOURCES]
+    if unknown:
+        raise ValueError(f"unknown estimate source(s) {unknown}: choose from {', '.join(ESTIMATE_SOURCES)}")
+    if not auto_adjust and max_batch_size is None:
+        raise ValueError("auto_adjust=False uses one fixed size: give it as max_batch_size (--batch-size)")
+    make_strategy(strategy)  # an unknown name fails here, naming the strategies
+    check_bounds(min_batch_size, max_batch_size, max_trials)
+    if isinstance(rules, (str, Path)):
+        rules = ScaleRules.load(rules)
+    elif isinstance(rules, Mapping):
+        rules = ScaleRules.from_dict(rules)
+    settings = SweepSettings(
+        max_batch_size,
+        min_batch_size,
+        auto_adjust,
+        strategy,
+        tuple(estimate),
+        rules,
+        margin,
+        max_trials,
+        steps,
+        log or logger.info,
+    )
+    label = name or getattr(factory, "__name__", "workload")
+    return SweepRunner(factory, device, settings, cache, measure).run(configs, results_path, label)

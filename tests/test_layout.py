@@ -1,0 +1,197 @@
+"""The package's layout is a contract: layers import only downward, the maths imports no torch, the core
+never reaches the CLI or an integration, no module takes another's private name, ``import batchfit`` stays
+light, and the public names are pinned."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import batchfit as bf
+
+PACKAGE = Path(bf.__file__).parent
+SHARED = {"errors", "_version"}
+# What each layer may import, lowest first: step < devices < search < {runtime, sweep} < cli, with
+# planning (maths) beside them. A layer always may import itself and the shared leaves above.
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "_version": set(),
+    "step": set(),
+    "devices": {"step"},
+    "planning": set(),
+    "search": {"step", "devices"},
+    "runtime": {"step", "devices", "search", "planning"},
+    "sweep": {"step", "devices", "search", "runtime", "planning"},
+    "integrations": {"step", "devices", "search", "runtime", "planning", "sweep"},
+    "cli": {"step", "devices", "search", "runtime", "planning", "sweep", "integrations"},
+    "__init__": {"step", "devices", "search", "runtime", "planning", "sweep"},
+}
+HEAVY = ["rich", "matplotlib", "lightning", "transformers", "mlx", "typer", "batchfit.cli", "batchfit.cli.examples"]
+PUBLIC = [
+    "ACCELERATORS",
+    "AnalyticEstimate",
+    "BatchPlan",
+    "CpuDevice",
+    "CudaDevice",
+    "Device",
+    "EvalMicrobatcher",
+    "GradientAccumulator",
+    "MemoryEstimate",
+    "MemoryModel",
+    "Microbatcher",
+    "ModelDoesNotFitError",
+    "MpsDevice",
+    "NoBatchFitsError",
+    "NoiseScale",
+    "NoiseScaleEstimator",
+    "ResultCache",
+    "STRATEGIES",
+    "ScaleRules",
+    "SearchResult",
+    "SearchSettings",
+    "SearchSpace",
+    "SimulatedDevice",
+    "StateSnapshot",
+    "SweepResult",
+    "ThroughputResult",
+    "TraceDevice",
+    "TraceError",
+    "Trial",
+    "Workload",
+    "__version__",
+    "analytic_estimate",
+    "critical_batch_by_training",
+    "estimate_memory",
+    "executable_batch_size",
+    "find_max_batch_size",
+    "find_optimal_batch_size",
+    "format_bytes",
+    "goodput",
+    "is_oom",
+    "make_strategy",
+    "measure_noise_scale",
+    "parse_bytes",
+    "plan_batch",
+    "probe_batch_size",
+    "search_workload",
+    "sweep_grid",
+    "versions",
+]
+
+
+def layer_of(path: Path, root: Path = PACKAGE) -> str:
+    return path.relative_to(root).with_suffix("").parts[0]
+
+
+def _type_checking_only(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def imports(path: Path) -> list[tuple[str, list[str], bool]]:
+    """Every ``(module, names, at_module_level)`` that ``path`` imports at run time (not under TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and not _type_checking_only(node, parents):
+            top = parents.get(node) is tree
+            if isinstance(node, ast.Import):
+                found += [(alias.name, [], top) for alias in node.names]
+            elif node.level == 0 and node.module:
+                found.append((node.module, [alias.name for alias in node.names], top))
+    return found
+
+
+def imported_layers(module: str, names: list[str]) -> set[str]:
+    """The batchfit layers an import reaches: ``from batchfit import x`` reaches layer ``x``."""
+    parts = module.split(".")
+    if parts[0] != "batchfit":
+        return set()
+    if len(parts) > 1:
+        return {parts[1]}
+    return {name for name in names if (PACKAGE / name).is_dir() or (PACKAGE / f"{name}.py").exists()}
+
+
+def violations(root: Path = PACKAGE) -> list[str]:
+    """Every import in the package that breaks the layering, as one readable line each."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        layer = layer_of(path, root)
+        allowed = ALLOWED[layer] | SHARED | {layer}
+        for module, names, top in imports(path):
+            for reached in imported_layers(module, names) - allowed:
+                found.append(f"{path.relative_to(root)} imports {module} (layer {reached!r}, not allowed in {layer!r})")
+            private = [
+                name for name in names if name.startswith("_") and not name.startswith("__") and name != "_version"
+            ]
+            own_package = ".".join(("batchfit", *path.relative_to(root).parent.parts))
+            if module.startswith("batchfit") and module != own_package and private:
+                found.append(f"{path.relative_to(root)} imports the private name(s) {private} of {module}")
+            if layer == "planning" and top and module.split(".")[0] == "torch":
+                found.append(f"{path.relative_to(root)} imports torch at module level (planning is maths)")
+    return found
+
+
+def test_every_import_respects_the_layers():
+    assert violations() == []
+
+
+def test_the_contract_catches_a_core_module_importing_the_cli(tmp_path):
+    """The check itself can fail: a copy of the package where the prober imports the CLI breaks it."""
+    copy = tmp_path / "batchfit"
+    for path in PACKAGE.rglob("*.py"):
+        target = copy / path.relative_to(PACKAGE)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text())
+    prober = copy / "search" / "prober.py"
+    prober.write_text(prober.read_text() + "\nfrom batchfit.cli.report import write_json\n")
+    planning = copy / "planning" / "lr.py"
+    planning.write_text("import torch\n" + planning.read_text())
+    assert violations(copy) == [
+        "planning/lr.py imports torch at module level (planning is maths)",
+        "search/prober.py imports batchfit.cli.report (layer 'cli', not allowed in 'search')",
+    ]
+
+
+def test_the_top_of_the_package_holds_at_most_twelve_entries():
+    entries = [p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"]
+    assert len(entries) <= 12, sorted(entries)
+
+
+def test_every_package_says_what_it_holds_and_may_import():
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 80, (
+            f"{init.parent.name}/__init__.py needs a docstring: what it holds, what it may import"
+        )
+
+
+def test_import_batchfit_loads_nothing_heavy():
+    code = f"import sys, batchfit; print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == []
+
+
+def test_the_public_names_are_pinned_and_each_imports():
+    assert sorted(bf.__all__) == sorted(PUBLIC)
+    for name in PUBLIC:
+        assert getattr(bf, name) is not None
+
+
+def test_no_public_name_shadows_a_module():
+    modules = {path.stem for path in PACKAGE.iterdir() if path.suffix == ".py" or (path / "__init__.py").exists()}
+    assert "search" in modules and "sweep" in modules
+    assert sorted(set(PUBLIC) & modules) == []
+
+
+def test_subpackages_import_by_their_path():
+    for name in ["batchfit.search.strategies", "batchfit.sweep", "batchfit.sweep.api", "batchfit.planning.plan"]:
+        assert importlib.import_module(name).__name__ == name
+    assert importlib.import_module("batchfit.search") is sys.modules["batchfit.search"]
