@@ -156,3 +156,19 @@ def test_cuda_device_records_allocated_bytes_after_every_op(monkeypatch):
 def test_mps_capacity_is_metals_recommended_working_set(monkeypatch):
     monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 12 * 2**30)
     assert MpsDevice().capacity_bytes() == 12 * 2**30
+
+
+def test_preparing_a_compiled_workload_leaves_the_cuda_device_as_it_was(monkeypatch):
+    fake = FakeCuda()
+    fake.patch(monkeypatch)
+    device = CudaDevice(0)
+    model = torch.nn.Linear(2, 2)
+    compiled = bf.Workload(torch.compile(model, backend="eager"), torch.zeros(2, 2), loss_fn=lambda out, b: out.sum())
+    plain = bf.Workload(model, torch.zeros(2, 2), loss_fn=lambda out, b: out.sum())
+    assert device.prepare(compiled) is compiled  # a compiled model is probed compiled...
+    view = device.for_workload(compiled)
+    assert view is not device and view.timeline() is None  # ...so its trials measure without the timeline
+    assert device.record_timeline and device.for_workload(plain) is device  # the device itself is unchanged
+    with device.measuring():
+        torch.ones(3) + 1
+    assert device.timeline() == [1010, 1020]  # the next search still records every op

@@ -264,3 +264,15 @@ def test_capacity_is_given_off_apple_silicon_and_must_fit_the_machine():
     assert auto.simulated and auto.capacity_bytes() == 256 << 20 and auto.name == "mlx:cpu:256.0MiB"
     with pytest.raises(ValueError, match="for MLX use"):
         resolve_mlx_device("cuda:0")
+
+
+def test_an_mlx_library_result_validates_against_the_shipped_schema():
+    import json
+    from importlib import resources
+
+    jsonschema = pytest.importorskip("jsonschema")
+    result = search_workload(small(), device="mlx:2MiB", max_batch_size=200)
+    schema = json.loads(resources.files("batchfit").joinpath("search/schemas/search_result.schema.json").read_text())
+    jsonschema.validate(json.loads(json.dumps(result.to_dict())), schema)
+    assert result.max_batch_size == result.upper_bound == 200 and result.strategy == "power"
+    assert all(trial.summary().startswith(f"batch size {trial.batch_size}: ") for trial in result.trials)

@@ -179,3 +179,53 @@ def test_fp16_probes_measure_the_optimizer_state_even_when_the_first_scale_overf
         device="sim:64MiB",
     )
     assert trial.fits and trial.held_bytes >= 3 * params  # parameters plus Adam's two moments at step 2
+
+
+def result_schema() -> dict:
+    from importlib import resources
+
+    return json.loads(resources.files("batchfit").joinpath("search/schemas/search_result.schema.json").read_text())
+
+
+def test_a_library_result_and_a_cached_one_validate_against_the_shipped_schema(tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    case = CASES[0]
+    measured = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity), cache=tmp_path)
+    cached = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity), cache=tmp_path)
+    assert measured.trials and not cached.trials
+    for result in (measured, cached):
+        jsonschema.validate(json.loads(json.dumps(result.to_dict())), result_schema())
+
+
+def test_max_batch_size_is_the_callers_cap_and_upper_bound_the_largest_size_considered():
+    case = CASES[0]
+    uncapped = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity), strategy="binary")
+    assert uncapped.max_batch_size is None  # no cap given
+    assert uncapped.upper_bound > uncapped.batch_size  # the free memory over one sample's bytes
+    capped = bf.search_workload(
+        case.build(), device=bf.SimulatedDevice(case.capacity), strategy="binary", max_batch_size=16
+    )
+    assert capped.max_batch_size == capped.upper_bound == capped.batch_size == 16 and capped.exact
+    data = capped.to_dict()
+    assert (data["max_batch_size"], data["upper_bound"]) == (16, 16)
+    assert uncapped.to_dict()["max_batch_size"] is None
+
+
+def test_a_trial_summarises_itself_in_one_line():
+    case = CASES[0]
+    result = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity), trace=False)
+    fitted = next(t for t in result.trials if t.fits)
+    failed = next(t for t in result.trials if not t.fits)
+    assert fitted.summary() == f"batch size {fitted.batch_size}: fits, peak {bf.format_bytes(fitted.peak_bytes)}"
+    assert failed.summary() == f"batch size {failed.batch_size}: does not fit (out of memory in {failed.failed_phase})"
+    assert "\n" not in fitted.summary() + failed.summary()
+    assert fitted.to_dict()["batch_size"] == fitted.batch_size
+
+
+def test_find_and_probe_keep_their_keywords_and_check_them_before_any_trial():
+    work = CASES[0].build()
+    for bad in ({"min_batch_size": 0}, {"steps": 0}, {"max_trials": 0}, {"strategy": "nope"}):
+        with pytest.raises(ValueError):
+            bf.find_max_batch_size(work.model, work.sample_batch, loss_fn=work.loss_fn, device="sim:1MiB", **bad)
+    with pytest.raises(ValueError, match="steps must be at least 1"):
+        bf.probe_batch_size(work.model, work.sample_batch, 4, loss_fn=work.loss_fn, device="sim:1MiB", steps=0)

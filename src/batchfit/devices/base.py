@@ -24,7 +24,10 @@ class Device(Protocol):
     ``None`` where the device cannot record it; ``exact_timeline()`` the same before allocator
     rounding, where the device knows it. ``cleanup()`` frees what a trial left behind (young
     garbage, cached blocks); ``collect()`` also runs a full garbage collection. ``prepare()``
-    returns the workload trials run on this device (a fake copy on the trace device).
+    returns the workload trials run on this device (a fake copy on the trace device);
+    ``for_workload()`` returns the device as the trials of one workload measure it (the device
+    itself, or a copy set up for that workload). Neither changes the device or the workload, so
+    nothing carries over from one search to the next.
     """
 
     name: str
@@ -42,6 +45,7 @@ class Device(Protocol):
     def cleanup(self) -> None: ...
     def collect(self) -> None: ...
     def prepare(self, workload: Any) -> Any: ...
+    def for_workload(self, workload: Any) -> Device: ...
     def synchronize(self) -> None: ...
 
 
@@ -81,6 +85,10 @@ class CountingDevice:
     def prepare(self, workload: Any) -> Any:
         """What trials run: a ``torch.compile``d model as its original module (see ``batchfit.step.compiled``)."""
         return uncompiled(workload)
+
+    def for_workload(self, workload: Any) -> CountingDevice:
+        """This device: its accounting is the same for every (prepared) workload."""
+        return self
 
     def cleanup(self) -> None:
         gc.collect(1)

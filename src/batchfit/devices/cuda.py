@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 from collections.abc import Iterable
 from typing import Any
@@ -32,7 +33,8 @@ class CudaDevice:
 
     Capacity is what this process can still use: the driver's free memory plus what the
     allocator already holds in its cache. With ``record_timeline`` (default) the live bytes are
-    read after every op, which lets the memory model see each op's line.
+    read after every op, which lets the memory model see each op's line. A compiled model is
+    probed compiled, so without the timeline: ``for_workload`` gives the device its trials use.
     """
 
     simulated = False
@@ -43,7 +45,6 @@ class CudaDevice:
         self.name = f"cuda:{self.index}"
         self.record_timeline = record_timeline
         self._timeline: list[int] = []
-        self._compiled = False
 
     def capacity_bytes(self) -> int:
         free_bytes, _total_bytes = torch.cuda.mem_get_info(self.torch_device)
@@ -60,12 +61,12 @@ class CudaDevice:
 
     def measuring(self) -> contextlib.AbstractContextManager:
         self._timeline = []
-        if not self.record_timeline or self._compiled:
+        if not self.record_timeline:
             return contextlib.nullcontext()
         return _AllocatedTimeline(self.torch_device, self._timeline)
 
     def timeline(self) -> list[int] | None:
-        return self._timeline if self.record_timeline and not self._compiled else None
+        return self._timeline if self.record_timeline else None
 
     def exact_timeline(self) -> None:
         return None  # the allocator reports rounded blocks only
@@ -74,10 +75,19 @@ class CudaDevice:
         return None  # the allocator already counts every tensor on the device
 
     def prepare(self, workload: Any) -> Any:
-        """A compiled model is probed compiled, so without the per-op timeline: dynamo would skip
-        a model called under its dispatch mode for good (see ``batchfit.step.compiled``)."""
-        self._compiled = is_compiled(workload.model)
+        """The workload as given: a compiled model is probed compiled (see ``for_workload``)."""
         return workload
+
+    def for_workload(self, workload: Any) -> CudaDevice:
+        """The device the trials of ``workload`` measure with: this one, or for a compiled model a
+        copy without the per-op timeline (dynamo would skip a model called under its dispatch mode
+        for good, see ``batchfit.step.compiled``). This device is never changed."""
+        if not self.record_timeline or not is_compiled(workload.model):
+            return self
+        view = copy.copy(self)
+        view.record_timeline = False
+        view._timeline = []
+        return view
 
     def cleanup(self) -> None:
         gc.collect(1)

@@ -91,6 +91,7 @@ def from_entry(entry: CacheEntry, seconds: float, cache: ResultCache) -> SearchR
         device=stored["device"],
         min_batch_size=stored["min_batch_size"],
         max_batch_size=stored["max_batch_size"],
+        upper_bound=stored["upper_bound"],  # missing in an entry stored by an older build: measured again
         exact=stored["exact"],
         seconds=seconds,
         workload=stored.get("workload"),

@@ -62,7 +62,8 @@ class Prober:
     during step 2. Only out-of-memory errors are caught; any other exception, ``KeyboardInterrupt``
     included, propagates unchanged after the state is restored. ``phase_hook(name)`` is called
     when the batch is built (``"batch"``) and at the end of each phase. Each step is timed with
-    ``clock`` (device synchronised), for throughput.
+    ``clock`` (device synchronised), for throughput. Trials measure on
+    ``device.for_workload(workload)``: the device as it measures this workload.
     """
 
     def __init__(
@@ -77,7 +78,7 @@ class Prober:
     ):
         check_steps(steps)
         self.workload = workload
-        self.device = device
+        self.device = device.for_workload(workload)  # per search: the caller's device is left as it was
         self.steps = steps
         self.limit_bytes = limit_bytes
         self.phase_hook = phase_hook or (lambda phase: None)

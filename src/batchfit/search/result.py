@@ -17,8 +17,16 @@ from batchfit.search.trial import Trial
 class SearchResult:
     """The largest batch size that fitted in a trial, with the trials that found it.
 
-    ``exact`` is true when the edge is confirmed: ``batch_size + 1`` failed, or ``batch_size`` is
-    ``max_batch_size``. It is false only when ``max_trials`` stopped the search early.
+    ``min_batch_size`` and ``max_batch_size`` are the caller's bounds on the sizes tried
+    (``max_batch_size=None``: no cap given); ``upper_bound`` is the largest size the search would
+    consider. ``exact`` is true when the edge is confirmed: ``batch_size + 1`` failed, or
+    ``batch_size`` is ``upper_bound``. It is false only when ``max_trials`` stopped the search early.
+
+    >>> result = SearchResult(batch_size=24, trials=[Trial(24, True, 900, 0.1), Trial(25, False, None, 0.1)],
+    ...     strategy="binary", capacity_bytes=1000, limit_bytes=1000, device="sim:1000B", min_batch_size=1,
+    ...     max_batch_size=None, upper_bound=100, exact=True, seconds=0.2)
+    >>> result.to_dict()["upper_bound"], result.peak_bytes
+    (100, 900)
     """
 
     batch_size: int
@@ -28,7 +36,11 @@ class SearchResult:
     limit_bytes: int | None
     device: str
     min_batch_size: int
-    max_batch_size: int
+    max_batch_size: int | None
+    """The caller's cap on the sizes tried, ``None`` when none was given."""
+    upper_bound: int
+    """The largest size the search would consider: the caller's cap, or else the free memory over
+    one sample's bytes (no batch larger than that can fit: the batch alone would not)."""
     exact: bool
     seconds: float
     workload: str | None = None
@@ -58,6 +70,7 @@ class SearchResult:
 
     @property
     def oom_trials(self) -> int:
+        """Trials that ran out of memory (not those whose peak only passed the usable bytes)."""
         return sum(1 for t in self.trials if t.oom)
 
     @property
@@ -86,7 +99,8 @@ class SearchResult:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of the answer, the search settings and every trial."""
+        """A JSON-ready dict of the answer, the search settings and every trial; it validates
+        against ``batchfit/search/schemas/search_result.schema.json``."""
         return {
             "batch_size": self.batch_size,
             "exact": self.exact,
@@ -99,6 +113,7 @@ class SearchResult:
             "held_bytes": self.held_bytes,
             "min_batch_size": self.min_batch_size,
             "max_batch_size": self.max_batch_size,
+            "upper_bound": self.upper_bound,
             "seconds": self.seconds,
             "oom_trials": self.oom_trials,
             "steps": self.steps,

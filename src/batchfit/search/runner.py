@@ -1,32 +1,40 @@
-"""find_max_batch_size and probe_batch_size: the search loop over a Prober and a Strategy."""
+"""find_max_batch_size and probe_batch_size: the search loop over a backend's prober and a Strategy.
+
+``search_workload`` reads as its steps: plan the search (backend, device, strategy, usable bytes),
+look it up in the result cache, let a trace guess the edge, run the trials, build the result.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from batchfit.devices.base import Device
-from batchfit.devices.resolve import resolve_device
+from batchfit.devices.trace import TraceDevice
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
 from batchfit.errors import NoBatchFitsError
 from batchfit.search import distributed
+from batchfit.search.backend import SearchBackend
+from batchfit.search.backend import TrialProber
+from batchfit.search.backend import backend_for
 from batchfit.search.cached import CachedSearch
 from batchfit.search.cached import CacheSpec
 from batchfit.search.cached import open_cache
-from batchfit.search.prober import Prober
 from batchfit.search.result import SearchResult
 from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import SearchSpace
 from batchfit.search.strategies import Strategy
 from batchfit.search.strategies import bracket
 from batchfit.search.strategies import make_strategy
+from batchfit.search.strategies import strategy_name
 from batchfit.search.trial import Trial
-from batchfit.step.batching import bytes_per_sample
 from batchfit.step.batching import pad_sequences
 from batchfit.step.compiled import CompileWatch
 from batchfit.step.compiled import recompile_warning
@@ -65,28 +73,19 @@ def usable_bytes(device: Device, margin: int | float | str) -> tuple[int | None,
     return capacity, capacity - kept
 
 
-def _upper_bound(workload: Workload, limit_bytes: int | None, baseline_bytes: int, min_batch_size: int) -> int:
-    """No batch larger than the free memory divided by one sample's bytes can fit: the batch alone
-    would not."""
+def upper_bound(
+    backend: SearchBackend, workload: Any, limit_bytes: int | None, baseline_bytes: int, min_batch_size: int
+) -> int:
+    """The largest size a search without a cap considers: no batch larger than the free memory
+    over one sample's bytes can fit (the batch alone would not)."""
     if limit_bytes is None:
         return UNBOUNDED_MAX_BATCH_SIZE
-    own = getattr(workload, "bytes_per_sample", None)  # a workload of another framework (MLX) measures its own
-    per_sample = own() if own is not None else bytes_per_sample(workload.sample_batch)
-    return max(min_batch_size, (limit_bytes - baseline_bytes) // per_sample)
+    return max(min_batch_size, (limit_bytes - baseline_bytes) // backend.bytes_per_sample(workload))
 
 
 def device_for(workload: Any, device: DeviceSpec) -> Device:
-    """The Device to probe ``workload`` on; a workload of another framework (MLX) resolves its own."""
-    own = getattr(workload, "resolve_device", None)
-    return own(device) if own is not None else resolve_device(device, workload.model)
-
-
-def _prober(workload: Any, device: Device, steps: int, limit_bytes: int | None) -> Any:
-    """The device's own prober where it has one (MLX), else torch's ``Prober``."""
-    own = getattr(device, "prober", None)
-    if own is not None:
-        return own(workload, steps=steps, limit_bytes=limit_bytes)
-    return Prober(workload, device, steps=steps, limit_bytes=limit_bytes)
+    """The Device to probe ``workload`` on, as the workload's backend resolves ``device``."""
+    return backend_for(workload).resolve_device(workload, device)
 
 
 def _nothing_fits(
@@ -111,8 +110,6 @@ def trace_estimate(
 ) -> dict[str, Any] | None:
     """The trace's estimate of the edge under ``limit_bytes``, or ``None`` (with a warning) when
     the workload cannot be traced: an op without a fake kernel, data-dependent shapes, ..."""
-    from batchfit.devices.trace import TraceDevice
-
     start = time.perf_counter()
     tracer = TraceDevice(limit_bytes, device=device.torch_device)
     try:
@@ -131,8 +128,34 @@ def trace_estimate(
     return {"batch_size": estimate.batch_size, "trials": len(estimate.trials), "seconds": time.perf_counter() - start}
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """One search, resolved before any trial: the backend, the device, the settings, the strategy
+    and the bytes a trial may use (``agreeing``: every rank runs the same trials)."""
+
+    backend: SearchBackend
+    device: Device
+    settings: SearchSettings
+    strategy: Strategy
+    capacity_bytes: int | None
+    limit_bytes: int | None
+    agreeing: bool
+
+    def cache_fields(self) -> dict[str, Any]:
+        """What the result cache keys this search by, besides the workload and the device."""
+        s = self.settings
+        return {
+            "min_batch_size": s.min_batch_size,
+            "max_batch_size": s.max_batch_size,
+            "limit_bytes": self.limit_bytes,
+            "steps": s.steps,
+            "strategy": strategy_name(self.strategy),
+            "max_trials": s.max_trials,
+        }
+
+
 def search_workload(
-    workload: Workload,
+    workload: Any,
     settings: SearchSettings | None = None,
     *,
     device: DeviceSpec = None,
@@ -142,6 +165,8 @@ def search_workload(
 ) -> SearchResult:
     """Find the largest batch size of ``workload`` that fits; see ``find_max_batch_size``.
 
+    ``workload`` is a ``batchfit.Workload`` or one of another framework that declares its
+    ``backend()`` (``SearchBackend``, such as the MLX integration's ``MlxWorkload``).
     ``settings`` (a ``SearchSettings``) and ``options`` (any of its fields, by keyword, applied on
     top) say how the search runs.
     ``on_trial_start(batch_size)`` and ``on_trial(trial)`` are called around every trial.
@@ -151,89 +176,132 @@ def search_workload(
     when the workload's fingerprint was searched before, and stores new answers; it is not used
     across ranks.
     """
-    s = SearchSettings.of(settings, **options)
-    min_batch_size, max_batch_size, strategy, max_trials, steps = (
-        s.min_batch_size,
-        s.max_batch_size,
-        s.strategy,
-        s.max_trials,
-        s.steps,
-    )
     start = time.perf_counter()
-    dev = device_for(workload, device)
-    # "auto" is the device's best default: a device without per-op timelines (MLX) may name another.
-    chosen = make_strategy(getattr(dev, "auto_strategy", strategy) if strategy == "auto" else strategy)
-    capacity, limit = usable_bytes(dev, s.margin)
-    agreeing = distributed.active() if s.agree is None else s.agree
-    if agreeing and limit is not None:
-        limit = distributed.agree_min(limit)  # every rank aims at the smallest device's memory
-    settings = {
-        "min_batch_size": min_batch_size,
-        "max_batch_size": max_batch_size,
-        "limit_bytes": limit,
-        "steps": steps,
-        "strategy": getattr(chosen, "name", None),
-        "max_trials": max_trials,
-    }
-    cached = _place_in_cache(s.cache, agreeing, workload, dev, settings)
+    plan = _plan(workload, SearchSettings.of(settings, **options), device)
+    cached = _place_in_cache(plan, workload)
     hit = cached.lookup(start) if cached is not None else None
     if hit is not None:
         return hit
-    traced = None
-    traceable = isinstance(workload, Workload) and not getattr(dev, "traces", False)  # a torch workload, not traced yet
-    if s.trace and strategy == "auto" and limit is not None and traceable:
-        traced = trace_estimate(workload, dev, limit, (min_batch_size, max_batch_size), steps)
-        guess = traced["batch_size"] if traced is not None else None
-        if agreeing:
-            guess = distributed.agree_min(guess if guess is not None else 0) or None
-        if guess is not None:
-            chosen = make_strategy("auto", guess=guess)
-    workload = dev.prepare(workload)
-    trials: list[Trial] = []
-    with _prober(workload, dev, steps, limit) as prober:
-        top = max_batch_size or _upper_bound(workload, limit, prober.baseline_bytes, min_batch_size)
-        if agreeing:
-            top = distributed.agree_min(top)
-        space = SearchSpace(min_batch_size, top, limit)
-        while max_trials is None or len(trials) < max_trials:
-            batch_size = chosen.next(trials, space)
-            if batch_size is None:
-                break
-            _check_proposal(batch_size, trials, space, chosen)
-            if on_trial_start is not None:
-                on_trial_start(batch_size)
-            trial = prober.probe(batch_size)
-            if agreeing:
-                trial = distributed.agree_trial(trial)  # fits only if it fit on every rank
-            trials.append(trial)
-            # A caller with on_trial reports trials itself; a trace's trials are only an estimate.
-            quiet = on_trial is not None or getattr(dev, "traces", False)
-            logger.log(logging.DEBUG if quiet else logging.INFO, trial.describe(capacity))
-            if on_trial is not None:
-                on_trial(trial)
-        extra: dict[str, Any] = {"trace": traced} if traced is not None else {}
-        if prober.compile_watch is not None:
-            extra["compile"] = _compile_report(prober.compile_watch, trials)
-    lo, hi = bracket(trials, space)
-    if lo < min_batch_size:
-        raise _nothing_fits(trials, dev, limit, min_batch_size)
-    result = SearchResult(
-        batch_size=lo,
-        trials=trials,
-        strategy=getattr(chosen, "name", type(chosen).__name__),
-        capacity_bytes=capacity,
-        limit_bytes=limit,
-        device=dev.name,
-        min_batch_size=min_batch_size,
-        max_batch_size=top,
-        exact=hi - lo == 1,
-        seconds=time.perf_counter() - start,
-        workload=workload.name,
-        extra=extra,
-    )
+    plan, traced = _guess_by_trace(plan, workload)
+    trials, space, reported = _run_trials(plan, workload, on_trial, on_trial_start)
+    result = _result(plan, workload.name, trials, space, {**traced, **reported}, start)
     if cached is not None:
         cached.store(result)
     return result
+
+
+def _plan(workload: Any, settings: SearchSettings, device: DeviceSpec) -> _Plan:
+    """The backend and device of ``workload``, the strategy (``"auto"``: the device's best default)
+    and the usable bytes (under ranks, the smallest device's)."""
+    backend = backend_for(workload)
+    dev = backend.resolve_device(workload, device)
+    wanted = settings.strategy
+    strategy = make_strategy(backend.auto_strategy(dev) if _is_auto(wanted) else wanted)
+    capacity, limit = usable_bytes(dev, settings.margin)
+    agreeing = distributed.active() if settings.agree is None else settings.agree
+    if agreeing and limit is not None:
+        limit = distributed.agree_min(limit)  # every rank aims at the smallest device's memory
+    return _Plan(backend, dev, settings, strategy, capacity, limit, agreeing)
+
+
+def _is_auto(strategy: str | Strategy) -> bool:
+    return isinstance(strategy, str) and strategy == "auto"
+
+
+def _guess_by_trace(plan: _Plan, workload: Any) -> tuple[_Plan, dict[str, Any]]:
+    """With ``strategy="auto"`` and ``trace``, the plan whose first guess is the trace's estimate of
+    the edge, and ``{"trace": ...}`` for the result's ``extra``; else the plan unchanged."""
+    s, backend = plan.settings, plan.backend
+    if not (s.trace and _is_auto(s.strategy) and plan.limit_bytes is not None):
+        return plan, {}
+    if backend.is_trace(plan.device) or not backend.can_trace(workload):
+        return plan, {}
+    traced = trace_estimate(workload, plan.device, plan.limit_bytes, (s.min_batch_size, s.max_batch_size), s.steps)
+    guess = traced["batch_size"] if traced is not None else None
+    if plan.agreeing:  # every rank takes part, also one whose trace failed
+        guess = distributed.agree_min(guess if guess is not None else 0) or None
+    if guess is not None:
+        plan = dataclasses.replace(plan, strategy=make_strategy("auto", guess=guess))
+    return plan, ({"trace": traced} if traced is not None else {})
+
+
+def _run_trials(
+    plan: _Plan,
+    workload: Any,
+    on_trial: Callable[[Trial], None] | None,
+    on_trial_start: Callable[[int], None] | None,
+) -> tuple[list[Trial], SearchSpace, dict[str, Any]]:
+    """Trials until the strategy is done or ``max_trials`` ran out; the space they kept to; and
+    what the prober reports (``{"compile": ...}`` for a compiled model)."""
+    s = plan.settings
+    prepared = plan.device.prepare(workload)
+    trials: list[Trial] = []
+    with plan.backend.prober(prepared, plan.device, steps=s.steps, limit_bytes=plan.limit_bytes) as prober:
+        space = _space(plan, prepared, prober.baseline_bytes)
+        while s.max_trials is None or len(trials) < s.max_trials:
+            batch_size = plan.strategy.next(trials, space)
+            if batch_size is None:
+                break
+            _check_proposal(batch_size, trials, space, plan.strategy)
+            trials.append(_one_trial(plan, prober, batch_size, on_trial, on_trial_start))
+        watch = prober.compile_watch
+        reported = {"compile": _compile_report(watch, trials)} if watch is not None else {}
+    return trials, space, reported
+
+
+def _space(plan: _Plan, workload: Any, baseline_bytes: int) -> SearchSpace:
+    """The sizes to search: from the minimum to the caller's cap, else to the ``upper_bound``."""
+    s = plan.settings
+    top = s.max_batch_size or upper_bound(plan.backend, workload, plan.limit_bytes, baseline_bytes, s.min_batch_size)
+    if plan.agreeing:
+        top = distributed.agree_min(top)
+    return SearchSpace(s.min_batch_size, top, plan.limit_bytes)
+
+
+def _one_trial(
+    plan: _Plan,
+    prober: TrialProber,
+    batch_size: int,
+    on_trial: Callable[[Trial], None] | None,
+    on_trial_start: Callable[[int], None] | None,
+) -> Trial:
+    """Probe ``batch_size`` (under ranks: it fits only if it fit on every rank), log it, report it."""
+    if on_trial_start is not None:
+        on_trial_start(batch_size)
+    trial = prober.probe(batch_size)
+    if plan.agreeing:
+        trial = distributed.agree_trial(trial)
+    # A caller with on_trial reports trials itself; a trace's trials are only an estimate.
+    quiet = on_trial is not None or plan.backend.is_trace(plan.device)
+    logger.log(logging.DEBUG if quiet else logging.INFO, trial.describe(plan.capacity_bytes))
+    if on_trial is not None:
+        on_trial(trial)
+    return trial
+
+
+def _result(
+    plan: _Plan, workload_name: str | None, trials: list[Trial], space: SearchSpace, extra: dict[str, Any], start: float
+) -> SearchResult:
+    """The answer: the largest size that fitted below the smallest that failed; ``NoBatchFitsError`` if none."""
+    s = plan.settings
+    lo, hi = bracket(trials, space)
+    if lo < s.min_batch_size:
+        raise _nothing_fits(trials, plan.device, plan.limit_bytes, s.min_batch_size)
+    return SearchResult(
+        batch_size=lo,
+        trials=trials,
+        strategy=strategy_name(plan.strategy),
+        capacity_bytes=plan.capacity_bytes,
+        limit_bytes=plan.limit_bytes,
+        device=plan.device.name,
+        min_batch_size=s.min_batch_size,
+        max_batch_size=s.max_batch_size,
+        upper_bound=space.max_batch_size,
+        exact=hi - lo == 1,
+        seconds=time.perf_counter() - start,
+        workload=workload_name,
+        extra=extra,
+    )
 
 
 def _compile_report(watch: CompileWatch, trials: list[Trial]) -> dict[str, int]:
@@ -245,14 +313,14 @@ def _compile_report(watch: CompileWatch, trials: list[Trial]) -> dict[str, int]:
     return report
 
 
-def _place_in_cache(
-    cache: CacheSpec, agreeing: bool, workload: Workload, device: Device, settings: dict[str, Any]
-) -> CachedSearch | None:
+def _place_in_cache(plan: _Plan, workload: Any) -> CachedSearch | None:
     """Where this search's answer is kept, or ``None``: no cache, or ranks (which could disagree on a hit)."""
-    opened = open_cache(cache) if not agreeing else None
-    if opened is not None and not isinstance(workload, Workload):
+    opened = open_cache(plan.settings.cache) if not plan.agreeing else None
+    if opened is None:
+        return None
+    if not isinstance(workload, Workload):
         raise ValueError("the result cache fingerprints torch workloads only: search this workload without cache")
-    return CachedSearch.make(opened, workload, device, settings) if opened is not None else None
+    return CachedSearch.make(opened, workload, plan.device, plan.cache_fields())
 
 
 def _check_proposal(batch_size: int, trials: list[Trial], space: SearchSpace, strategy: Strategy) -> None:
@@ -306,24 +374,22 @@ def find_max_batch_size(
     >>> result.batch_size > 0 and result.trials[-1].batch_size in (result.batch_size, result.batch_size + 1)
     True
     """
-    if longest_seq_len is not None:
-        sample_batch = pad_sequences(sample_batch, longest_seq_len)
-    workload = Workload(
-        model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
-    )
-    return search_workload(
-        workload,
-        device=device,
+    settings = SearchSettings(
         min_batch_size=min_batch_size,
         max_batch_size=max_batch_size,
         strategy=strategy,
         margin=margin,
         max_trials=max_trials,
         steps=steps,
-        on_trial=on_trial,
         trace=trace,
         cache=cache,
     )
+    if longest_seq_len is not None:
+        sample_batch = pad_sequences(sample_batch, longest_seq_len)
+    workload = Workload(
+        model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
+    )
+    return search_workload(workload, settings, device=device, on_trial=on_trial)
 
 
 def probe_batch_size(
@@ -348,15 +414,26 @@ def probe_batch_size(
     >>> trial.fits, trial.steps
     (True, 2)
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
+    settings = SearchSettings(margin=margin, steps=steps)
     workload = Workload(
         model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
     )
-    dev = resolve_device(device, workload.model)
-    capacity, limit = usable_bytes(dev, margin)
-    workload = dev.prepare(workload)
-    with Prober(workload, dev, steps=steps, limit_bytes=limit) as prober:
+    return probe_workload(workload, batch_size, settings, device=device)
+
+
+def probe_workload(
+    workload: Any, batch_size: int, settings: SearchSettings | None = None, *, device: DeviceSpec = None, **options: Any
+) -> Trial:
+    """Run one trial of ``workload`` (torch's, or one that declares its ``backend()``) at
+    ``batch_size`` and return it; state is restored afterwards. Of the settings (``settings``
+    and/or ``options``), ``margin`` and ``steps`` apply."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
+    s = SearchSettings.of(settings, **options)
+    backend = backend_for(workload)
+    dev = backend.resolve_device(workload, device)
+    capacity, limit = usable_bytes(dev, s.margin)
+    with backend.prober(dev.prepare(workload), dev, steps=s.steps, limit_bytes=limit) as prober:
         trial = prober.probe(batch_size)
     logger.info(trial.describe(capacity))
     return trial

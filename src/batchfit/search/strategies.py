@@ -178,6 +178,16 @@ class Auto:
 STRATEGIES: dict[str, type] = {cls.name: cls for cls in (Auto, Binary, Power, Grow, Halving)}
 
 
+def strategy_name(strategy: Strategy) -> str:
+    """A strategy's ``name``, or its class's name for an object of the caller's without one.
+
+    >>> strategy_name(make_strategy("binary"))
+    'binary'
+    """
+    name = getattr(strategy, "name", None)
+    return name if isinstance(name, str) else type(strategy).__name__
+
+
 def make_strategy(strategy: str | Strategy, **options: object) -> Strategy:
     """A strategy from its name (``auto``, ``binary``, ``power``, ``grow``, ``halving``) or as given."""
     if not isinstance(strategy, str):

@@ -39,7 +39,22 @@ class Trial:
     failed_phase: str | None = None
     step_seconds: tuple[float, ...] = ()
 
+    def summary(self) -> str:
+        """One line: the size, whether it fitted, and the peak.
+
+        >>> Trial(28, True, 5 * 2**30, 0.4).summary()
+        'batch size 28: fits, peak 5.0 GiB'
+        >>> Trial(29, False, None, 0.1, "CUDA out of memory", oom=True, failed_phase="backward").summary()
+        'batch size 29: does not fit (out of memory in backward)'
+        """
+        if self.fits:
+            return f"batch size {self.batch_size}: fits, peak {format_bytes(self.peak_bytes)}"
+        reason = f"out of memory in {self.failed_phase}" if self.oom else f"peak {format_bytes(self.peak_bytes)}"
+        return f"batch size {self.batch_size}: does not fit ({reason})"
+
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field but the per-op timelines (the ``trials`` items of the
+        search result's schema)."""
         data = asdict(self)
         data["phase_peak_bytes"] = dict(self.phase_peak_bytes)
         del data["timeline"], data["exact_timeline"]  # one number per op: for the memory model only

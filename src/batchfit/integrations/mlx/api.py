@@ -8,15 +8,13 @@ from typing import Any
 import mlx.nn as nn
 
 from batchfit.integrations.mlx.device import MlxDevice
-from batchfit.integrations.mlx.device import resolve_mlx_device
-from batchfit.integrations.mlx.probe import MlxProber
 from batchfit.integrations.mlx.workload import LossFn
 from batchfit.integrations.mlx.workload import MlxWorkload
 from batchfit.integrations.mlx.workload import StepFn
 from batchfit.search.result import SearchResult
-from batchfit.search.runner import logger
+from batchfit.search.runner import probe_workload
 from batchfit.search.runner import search_workload
-from batchfit.search.runner import usable_bytes
+from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import Strategy
 from batchfit.search.trial import Trial
 
@@ -54,18 +52,16 @@ def find_max_batch_size(
     >>> result.exact and result.batch_size > 0
     True
     """
-    workload = MlxWorkload(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, step_fn=step_fn)
-    return search_workload(
-        workload,
-        device=device,
+    settings = SearchSettings(
         min_batch_size=min_batch_size,
         max_batch_size=max_batch_size,
         strategy=strategy,
         margin=margin,
         max_trials=max_trials,
         steps=steps,
-        on_trial=on_trial,
     )
+    workload = MlxWorkload(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, step_fn=step_fn)
+    return search_workload(workload, settings, device=device, on_trial=on_trial)
 
 
 def probe_batch_size(
@@ -88,12 +84,6 @@ def probe_batch_size(
     >>> trial.fits, trial.steps
     (True, 2)
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
+    settings = SearchSettings(margin=margin, steps=steps)
     workload = MlxWorkload(model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, step_fn=step_fn)
-    dev = resolve_mlx_device(device)
-    capacity, limit = usable_bytes(dev, margin)
-    with MlxProber(workload, dev, steps=steps, limit_bytes=limit) as prober:
-        trial = prober.probe(batch_size)
-    logger.info(trial.describe(capacity))
-    return trial
+    return probe_workload(workload, batch_size, settings, device=device)

@@ -67,12 +67,6 @@ class MlxDevice:
     67108864
     """
 
-    traces = False  # no fake-tensor estimate for MLX: the search probes from the start
-    # What strategy="auto" runs here. A trial gives one peak (no per-op timeline), flat at small sizes
-    # where the optimizer's temporaries dominate, so auto's line through two small trials misses the
-    # activations and jumps far past the edge (measured: to 9191 for an edge of 691); doubling, then
-    # bisecting, never goes past twice a size that fitted.
-    auto_strategy = "power"
     torch_device = None  # part of the Device protocol; an MLX device has no torch device
 
     def __init__(self, capacity: int | str | None = None, *, device: str | None = None) -> None:
@@ -134,14 +128,12 @@ class MlxDevice:
             )
         return workload
 
+    def for_workload(self, workload: Any) -> MlxDevice:
+        """This device: it measures every workload the same way."""
+        return self
+
     def synchronize(self) -> None:
         mx.synchronize()
-
-    def prober(self, workload: Any, *, steps: int = 2, limit_bytes: int | None = None) -> Any:
-        """The prober the search runs trials with on this device."""
-        from batchfit.integrations.mlx.probe import MlxProber
-
-        return MlxProber(workload, self, steps=steps, limit_bytes=limit_bytes)
 
     def __repr__(self) -> str:
         return self.name

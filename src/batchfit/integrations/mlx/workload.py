@@ -17,8 +17,6 @@ from mlx.utils import tree_flatten
 from batchfit.integrations.mlx.batch import as_mlx
 from batchfit.integrations.mlx.batch import batch_length
 from batchfit.integrations.mlx.batch import bytes_per_sample
-from batchfit.integrations.mlx.device import MlxDevice
-from batchfit.integrations.mlx.device import resolve_mlx_device
 from batchfit.step.workload import call_by_convention
 
 LossFn = Callable[[Any, Any], mx.array]
@@ -68,9 +66,11 @@ class MlxWorkload:
         self.sample_length = batch_length(self.sample_batch)
         self.name = self.name or type(self.model).__name__
 
-    def resolve_device(self, spec: Any) -> MlxDevice:
-        """The ``MlxDevice`` for ``spec`` (``None``/``"auto"``, ``"mlx"``, ``"mlx:8GiB"``, an ``MlxDevice``)."""
-        return resolve_mlx_device(spec)
+    def backend(self) -> Any:
+        """How the search runs this workload: ``batchfit.integrations.mlx.backend.MLX``."""
+        from batchfit.integrations.mlx.backend import MLX  # the backend builds on this module
+
+        return MLX
 
     def bytes_per_sample(self) -> int:
         """Bytes one sample of the batch takes: no batch larger than the free memory over this fits."""
