@@ -151,7 +151,7 @@ def test_the_microbatcher_trains_a_compiled_model_on_the_simulated_device_and_le
     batch = (torch.randn(512, 32), torch.randint(0, 4, (512,)))
     before = model.first.weight.clone()
     batcher.step(batch)
-    assert batcher.history[-1].ooms >= 1 and batcher.micro_batch_size < 512  # it shrank under the capacity
+    assert batcher.history[-1].ooms >= 1 and batcher.current_micro_batch_size < 512  # it shrank under the capacity
     assert not torch.equal(before, model.first.weight)  # and the step updated the shared parameters
     counters.clear()
     compiled(torch.randn(5, 32))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
+import json
 
 import pytest
 import torch
@@ -11,8 +13,10 @@ from torch.nn import functional as F
 
 import batchfit as bf
 from batchfit.cli.examples import gpt_tiny
+from batchfit.runtime import microbatch
 from batchfit.runtime.microbatch import EvalMicrobatcher
 from batchfit.runtime.microbatch import Microbatcher
+from batchfit.runtime.microbatch import StepRecord
 
 GLOBAL = 64
 
@@ -231,7 +235,7 @@ def test_the_evaluator_shrinks_on_oom_without_touching_training():
     )
     outputs = evaluator.run(batch)
     torch.testing.assert_close(outputs, full, rtol=0, atol=1e-12)
-    assert evaluator.ooms >= 1 and evaluator.micro_batch_size < 64 and trainer.micro_batch_size == 64
+    assert evaluator.ooms >= 1 and evaluator.current_micro_batch_size < 64 and trainer.current_micro_batch_size == 64
     assert model.training
 
 
@@ -314,7 +318,7 @@ def test_max_tokens_halves_the_budget_on_oom():
     )
     for _ in range(2):
         batcher.step(batch)
-    assert batcher.max_tokens == 32 and sum(record.ooms for record in batcher.history) >= 1
+    assert batcher.current_max_tokens == 32 and sum(record.ooms for record in batcher.history) >= 1
     with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
         Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), max_tokens=0)
     with pytest.raises(RuntimeError, match=r"a single sample holds more tokens \(16 here\) than the budget of 8"):
@@ -381,3 +385,181 @@ def test_token_weighting_matches_a_token_mean_loss():
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10)
     with pytest.raises(ValueError, match="weight must be 'samples'"):
         Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), weight="bytes")
+
+
+def always_out_of_memory(*args):
+    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+
+def test_even_the_floor_running_out_of_memory_is_a_no_batch_fits_error():
+    capacity = (step_peak("sgd", 16) + step_peak("sgd", 32)) // 2  # 16 fits, 32 does not
+    model, batch = model_and_batch()
+    batcher = Microbatcher(
+        model,
+        make_optimizer("sgd", model),
+        loss_fn=F.mse_loss,
+        device=bf.SimulatedDevice(capacity),
+        micro_batch_size=64,
+        min_batch_size=32,
+    )
+    with pytest.raises(bf.NoBatchFitsError, match=r"even a micro-batch of 32 \(the floor, min_batch_size=32\)"):
+        for _ in range(2):  # 32 may still fit in the first step, before the optimizer state exists
+            batcher.step(batch)
+    model, batch = model_and_batch()
+    model[2].register_forward_hook(always_out_of_memory)
+    tiny = Microbatcher(model, make_optimizer("sgd", model), loss_fn=F.mse_loss, micro_batch_size=4)
+    with pytest.raises(RuntimeError, match="even a micro-batch of 1 .*: use amp_dtype") as caught:
+        tiny.step(batch)  # still a RuntimeError for callers that catch that
+    assert isinstance(caught.value, bf.NoBatchFitsError)
+    with pytest.raises(ValueError, match=r"micro_batch_size \(8\) is below min_batch_size \(16\)"):
+        Microbatcher(model, make_optimizer("sgd", model), micro_batch_size=8, min_batch_size=16)
+
+
+def test_a_token_budget_stops_at_the_longest_sample_with_a_no_batch_fits_error(caplog):
+    torch.manual_seed(1)
+    model = TokenModel()
+    model.head.register_forward_hook(always_out_of_memory)
+    batcher = Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), max_tokens=48)
+    with pytest.raises(bf.NoBatchFitsError, match="even a budget of 16 tokens"):
+        batcher.step(token_batch())  # the longest sample holds 16 tokens: 48, 24, then 16 alone
+    assert "at micro-batch 24" in caplog.text and "at micro-batch 8" not in caplog.text
+    assert batcher.history == [] and batcher.current_max_tokens == 48
+
+
+def test_the_evaluator_raises_no_batch_fits_error_when_one_sample_does_not_fit():
+    model, batch = model_and_batch()
+    evaluator = EvalMicrobatcher(
+        model, device=bf.SimulatedDevice("1KiB"), micro_batch_size=8, forward_fn=lambda m, b: m(b[0])
+    )
+    with pytest.raises(bf.NoBatchFitsError, match="even one sample runs out of memory in evaluation"):
+        evaluator.run(batch)
+    assert evaluator.settings.micro_batch_size == 8 and evaluator.current_micro_batch_size == 1
+
+
+def test_settings_stay_as_given_while_the_live_sizes_shrink():
+    capacity = (step_peak("sgd", 16) + step_peak("sgd", 32)) // 2
+    model, batch = model_and_batch()
+    batcher = Microbatcher(
+        model,
+        make_optimizer("sgd", model),
+        loss_fn=F.mse_loss,
+        device=bf.SimulatedDevice(capacity),
+        micro_batch_size=64,
+    )
+    for _ in range(2):  # 32 may still fit in the first step, before the optimizer state exists
+        batcher.step(batch)
+    assert batcher.settings.micro_batch_size == 64 and batcher.current_micro_batch_size == 16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        batcher.settings.micro_batch_size = 8
+    with pytest.warns(
+        DeprecationWarning, match=r"Microbatcher.micro_batch_size is deprecated.*current_micro_batch_size"
+    ):
+        assert batcher.micro_batch_size == 16  # the old spelling still reads the live size, for one release
+    with pytest.warns(DeprecationWarning, match="current_max_tokens"):
+        assert batcher.max_tokens is None
+    evaluator = EvalMicrobatcher(model, micro_batch_size=4)
+    with pytest.warns(DeprecationWarning, match="EvalMicrobatcher.micro_batch_size"):
+        assert evaluator.micro_batch_size == 4
+
+
+def test_replays_count_the_micro_batches_run_again_not_the_ooms():
+    model, batch = model_and_batch(60)
+    calls = []
+
+    def out_of_memory_once(*args):
+        calls.append(1)
+        if len(calls) == 3:  # the third micro-batch of the first attempt: two completed before it
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    handle = model[2].register_forward_hook(out_of_memory_once)
+    batcher = Microbatcher(model, make_optimizer("sgd", model), loss_fn=F.mse_loss, micro_batch_size=16)
+    batcher.step(batch)
+    batcher.step(batch)
+    handle.remove()
+    first, second = batcher.history
+    assert (first.ooms, first.replays) == (1, 2) and (second.ooms, second.replays) == (0, 0)
+
+
+def test_a_step_record_says_what_happened_in_a_sentence_and_as_json():
+    record = StepRecord(4, 12, 5, 2, 3, 60, max_tokens=32)
+    assert record.summary() == (
+        "Step 4: 60 samples in 5 micro-batches of at most 12 (32 tokens each at most); "
+        "2 out-of-memory errors, 3 micro-batches run again."
+    )
+    assert json.loads(json.dumps(record.to_dict())) == {
+        "step": 4,
+        "micro_batch_size": 12,
+        "micro_batches": 5,
+        "ooms": 2,
+        "replays": 3,
+        "samples": 60,
+        "max_tokens": 32,
+    }
+
+
+def test_the_first_search_takes_the_keywords_of_find_max_batch_size(monkeypatch, tmp_path):
+    model, batch = model_and_batch()
+    capacity = (step_peak("sgd", 16) + step_peak("sgd", 32)) // 2
+    keywords = {"min_batch_size": 2, "strategy": "binary", "margin": 0.3, "max_trials": 20, "steps": 3, "trace": False}
+    found = bf.find_max_batch_size(
+        model,
+        batch,
+        loss_fn=F.mse_loss,
+        optimizer=make_optimizer("sgd", model),
+        device=bf.SimulatedDevice(capacity),
+        max_batch_size=GLOBAL,
+        **keywords,
+    )
+    plain = bf.find_max_batch_size(
+        model, batch, loss_fn=F.mse_loss, optimizer=make_optimizer("sgd", model), device=bf.SimulatedDevice(capacity)
+    )
+    assert found.batch_size < plain.batch_size  # the margin counts
+    seen = []
+    real = microbatch.search_workload
+    monkeypatch.setattr(microbatch, "search_workload", lambda w, s, **kw: seen.append((w, s)) or real(w, s, **kw))
+    batcher = Microbatcher(
+        model,
+        make_optimizer("sgd", model),
+        loss_fn=F.mse_loss,
+        device=bf.SimulatedDevice(capacity),
+        amp_dtype="bf16",
+        cache=tmp_path,
+        **keywords,
+    )
+    batcher.step(batch)
+    ((workload, settings),) = seen
+    assert settings == bf.SearchSettings(max_batch_size=GLOBAL, cache=tmp_path, **keywords)
+    assert workload.amp_dtype == torch.bfloat16 and batcher.settings.search.margin == 0.3
+    assert batcher.settings.micro_batch_size is None and batcher.current_micro_batch_size is not None
+
+
+def test_amp_dtype_runs_every_micro_batch_under_autocast():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    dtypes = []
+
+    def loss_fn(output, target):
+        dtypes.append(output.dtype)
+        return F.mse_loss(output.float(), target)
+
+    batcher = Microbatcher(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn, micro_batch_size=4, amp_dtype="bf16"
+    )
+    batcher.step((torch.randn(8, 8), torch.randn(8, 2)))
+    assert dtypes == [torch.bfloat16, torch.bfloat16] and model.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="amp_dtype must be torch.float16, torch.bfloat16"):
+        Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), amp_dtype="fp8")
+
+
+def test_the_arguments_follow_find_max_batch_size():
+    import inspect
+
+    parameters = inspect.signature(Microbatcher).parameters
+    assert [name for name, p in parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD] == ["model", "optimizer"]
+    names = list(parameters)
+    assert parameters["step_fn"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert names.index("loss_fn") < names.index("step_fn")
+    for name in ("loss_fn", "device", "micro_batch_size", "amp_dtype", "min_batch_size", "strategy", "margin"):
+        assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+    for name in ("min_batch_size", "strategy", "margin", "max_trials", "steps", "trace", "cache"):
+        assert parameters[name].default == inspect.signature(bf.find_max_batch_size).parameters[name].default

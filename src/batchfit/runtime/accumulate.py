@@ -1,4 +1,4 @@
-"""Gradient accumulation that gives the full batch's gradient exactly (seed 001, patterns 3-4).
+"""Gradient accumulation that gives the full batch's gradient exactly, on one process and under DDP.
 
 Each micro-batch's mean loss is weighted by its share of the global batch's samples, so a short
 last micro-batch counts for what it holds; under DDP only the last micro-batch synchronises
@@ -18,6 +18,7 @@ from batchfit.runtime.noise_measure import GradientWatcher
 from batchfit.search import distributed
 from batchfit.step.batching import batch_length
 from batchfit.step.batching import slice_batch
+from batchfit.step.workload import autocast
 from batchfit.step.workload import compute_loss
 
 
@@ -31,19 +32,24 @@ def backward_micro_batches(
     scaler: Any = None,
     sync_last: bool = True,
     after_each: Callable[[int, float], None] | None = None,
+    amp_dtype: torch.dtype | None = None,
+    device_type: str = "cpu",
 ) -> float:
     """Backward over ``pieces``, each mean loss weighted by its share of ``weights``; ``.grad`` then
     holds the gradient of the whole batch's mean loss. Under DDP every backward but the last runs in
     ``no_sync()`` (all of them without ``sync_last``). The loss is summed where it is and read once,
     so there is no device sync per micro-batch. ``after_each(weight, share)`` runs after every
-    backward (the gradient noise scale watches there). Returns the mean loss."""
+    backward (the gradient noise scale watches there). With ``amp_dtype`` the forward pass and the
+    loss run under ``torch.autocast(device_type, amp_dtype)``, the backward outside it. Returns the
+    mean loss."""
     whole = sum(weights)
     defers = hasattr(model, "no_sync")
     total = None
     for index, (piece, weight) in enumerate(zip(pieces, weights, strict=True)):
         defer = defers and (not sync_last or index < len(pieces) - 1)
         with model.no_sync() if defer else contextlib.nullcontext():
-            loss = compute_loss(model, piece, loss_fn=loss_fn, step_fn=step_fn) * (weight / whole)
+            with autocast(device_type, amp_dtype):
+                loss = compute_loss(model, piece, loss_fn=loss_fn, step_fn=step_fn) * (weight / whole)
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
         del loss

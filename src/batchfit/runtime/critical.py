@@ -1,5 +1,6 @@
-"""Seed 004's empirical critical batch: train briefly at doubling batch sizes, the learning rate
-scaled, for the same number of samples each, and find where validation loss stops holding up.
+"""The critical batch size measured by short training runs: train briefly at doubling batch sizes,
+the learning rate scaled, for the same number of samples each, and find where validation loss stops
+holding up.
 
 Expensive by nature: one short training run per batch size. ``measure_noise_scale`` answers the
 same question from gradient statistics in a few dozen steps; this is the check against reality.
@@ -47,7 +48,7 @@ class EmpiricalCritical:
     def summary(self) -> str:
         return (
             f"Validation loss holds within {self.tolerance:.0%} of the best up to batch size "
-            f"{self.critical_batch_size} after {self.points[0].samples:,} samples each (seed 004's method)."
+            f"{self.critical_batch_size} after {self.points[0].samples:,} samples each (one short training run per batch size)."
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -124,7 +125,7 @@ def critical_batch_by_training(
     tolerance: float = 0.02,
     seed: int = 0,
 ) -> EmpiricalCritical:
-    """Seed 004: for each batch size, ``build(lr)`` a fresh ``(model, optimizer)``, train on
+    """The critical batch by short training runs: for each batch size, ``build(lr)`` a fresh ``(model, optimizer)``, train on
     ``samples`` rows of ``train`` (shuffled, same seed), the learning rate ``base_lr`` scaled from
     ``base_batch_size`` (default: the smallest size) by ``lr_scaling``; then the mean validation
     loss. The critical batch is the largest size, going up from the smallest, whose loss stays

@@ -6,7 +6,9 @@ optimizer steps exactly once (the idea of Composer's automatic micro-batching, g
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,14 +18,21 @@ import torch
 from batchfit.devices.cleanup import drain_autograd_queue
 from batchfit.devices.oom import is_oom
 from batchfit.devices.resolve import resolve_device
+from batchfit.errors import NoBatchFitsError
 from batchfit.planning.noise import NoiseScaleEstimator
 from batchfit.runtime.accumulate import backward_micro_batches
 from batchfit.runtime.noise_measure import GradientWatcher
 from batchfit.search import distributed
+from batchfit.search.cached import CacheSpec
+from batchfit.search.runner import search_workload
+from batchfit.search.settings import SearchSettings
+from batchfit.search.strategies import Strategy
 from batchfit.step.batching import batch_length
 from batchfit.step.batching import slice_batch
 from batchfit.step.compiled import runnable
 from batchfit.step.state import StateSnapshot
+from batchfit.step.workload import Workload
+from batchfit.step.workload import amp_dtype_of
 from batchfit.step.workload import compute_loss
 
 logger = logging.getLogger("batchfit")
@@ -31,7 +40,20 @@ logger = logging.getLogger("batchfit")
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One global step: the micro-batch size that completed it, and what it took to get there."""
+    """One global step: the micro-batch size that completed it, and what it took to get there.
+
+    ``ooms`` counts the attempts an out-of-memory error cut short (on this rank or, under a process
+    group, on any rank); ``replays`` counts the micro-batches those attempts had already run
+    through forward and backward, whose gradients were then dropped and which ran again: the work
+    lost to out-of-memory errors. ``max_tokens`` is the token budget of the micro-batches that
+    completed the step (``None`` when they are counted in samples).
+
+    >>> record = StepRecord(step=3, micro_batch_size=16, micro_batches=4, ooms=1, replays=2, samples=64)
+    >>> record.summary()
+    'Step 3: 64 samples in 4 micro-batches of at most 16; 1 out-of-memory error, 2 micro-batches run again.'
+    >>> record.to_dict()["replays"]
+    2
+    """
 
     step: int
     micro_batch_size: int
@@ -39,6 +61,76 @@ class StepRecord:
     ooms: int
     replays: int
     samples: int
+    max_tokens: int | None = None
+
+    def summary(self) -> str:
+        """One sentence: what the step ran, and what out-of-memory errors cost it."""
+        budget = f" ({self.max_tokens} tokens each at most)" if self.max_tokens is not None else ""
+        ran = f"Step {self.step}: {self.samples} samples in {self.micro_batches} micro-batches of at most "
+        ran += f"{self.micro_batch_size}{budget}"
+        if not self.ooms:
+            return f"{ran}; no out-of-memory error."
+        errors = f"{self.ooms} out-of-memory error{'s' if self.ooms > 1 else ''}"
+        return f"{ran}; {errors}, {self.replays} micro-batch{'es' if self.replays != 1 else ''} run again."
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class MicrobatcherSettings:
+    """What the caller gave a ``Microbatcher``: checked once, never changed by training (the live,
+    shrinking values are ``Microbatcher.current_micro_batch_size`` and ``current_max_tokens``).
+
+    >>> MicrobatcherSettings(micro_batch_size=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: micro_batch_size must be a positive integer or None, got 0
+    """
+
+    micro_batch_size: int | None = None
+    """The first micro-batch size (``None``: found by a search on the first global batch)."""
+    max_tokens: int | None = None
+    """The first token budget per micro-batch (``None``: micro-batches are counted in samples)."""
+    grow_after: int | None = 100
+    """Clean steps before trying twice the micro-batch again (``None``: never grow)."""
+    guard_optimizer_step: bool = False
+    """Keep a host copy of the state before each optimizer step, so an OOM inside it can be undone."""
+    weight: str = "samples"
+    """How each micro-batch's loss is weighted: ``"samples"`` or ``"tokens"``, as the loss is averaged."""
+    amp_dtype: torch.dtype | None = None
+    """Forward and loss under ``torch.autocast`` to this dtype, in training and in the search."""
+    search: SearchSettings = dataclasses.field(default_factory=SearchSettings)
+    """How the first micro-batch size is searched; its ``min_batch_size`` is also the floor when shrinking."""
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.grow_after is not None and self.grow_after < 1:
+            raise ValueError(f"grow_after must be at least 1 or None, got {self.grow_after!r}")
+        if self.weight not in ("samples", "tokens"):
+            raise ValueError(
+                "weight must be 'samples' (a loss averaged per sample) or 'tokens' (a loss averaged per token), "
+                f"got {self.weight!r}"
+            )
+        object.__setattr__(self, "amp_dtype", amp_dtype_of(self.amp_dtype))
+        floor = self.search.min_batch_size
+        if self.micro_batch_size is not None and self.micro_batch_size < floor:
+            raise ValueError(
+                f"micro_batch_size ({self.micro_batch_size}) is below min_batch_size ({floor}): raise it or lower the floor"
+            )
+
+
+def _deprecated(owner: str, old: str, new: str) -> None:
+    warnings.warn(
+        f"{owner}.{old} is deprecated and will be removed in the next release: read .{new} for the live "
+        f"value, or .settings.{old} for the one you gave",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def _accounting(device: Any) -> contextlib.AbstractContextManager:
@@ -77,14 +169,25 @@ class Microbatcher:
     ``"samples"`` for a mean over samples, ``"tokens"`` for a mean over tokens (Hugging Face
     causal-LM losses); only then is the accumulated gradient the full batch's. ``noise`` (a
     ``NoiseScaleEstimator``) measures the gradient noise scale on the way: micro-batches are the
-    small batch, the global step the big one (read it with ``noise.result()``).
+    small batch, the global step the big one (read it with ``noise.result()``). ``amp_dtype``
+    runs every forward pass and loss under ``torch.autocast`` (pass a ``scaler`` for float16).
+
+    With ``micro_batch_size=None`` the first global batch is searched for the largest micro-batch
+    that fits, with the keywords of ``find_max_batch_size``: ``min_batch_size``, ``strategy``,
+    ``margin``, ``max_trials``, ``steps``, ``trace``, ``cache`` (the search never goes above the
+    global batch). ``min_batch_size`` is also the floor when shrinking: a micro-batch of that size
+    (or a token budget of the longest sample) that runs out of memory raises ``NoBatchFitsError``.
+
+    What you gave stays in ``settings`` (a frozen ``MicrobatcherSettings``); what training changes
+    is live state: ``current_micro_batch_size`` (``None`` until the first search),
+    ``current_max_tokens``, ``smallest_failure`` and ``history`` (a ``StepRecord`` per step).
 
     >>> model = torch.nn.Linear(4, 1)
     >>> batcher = Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1),
     ...                        loss_fn=torch.nn.functional.mse_loss, micro_batch_size=8)
     >>> loss = batcher.step((torch.randn(20, 4), torch.randn(20, 1)))
-    >>> batcher.history[-1].micro_batches
-    3
+    >>> batcher.history[-1].micro_batches, batcher.current_micro_batch_size, batcher.settings.micro_batch_size
+    (3, 8, 8)
     """
 
     def __init__(
@@ -94,6 +197,7 @@ class Microbatcher:
         *,
         loss_fn: Callable | None = None,
         step_fn: Callable | None = None,
+        amp_dtype: torch.dtype | str | None = None,
         device: Any = None,
         micro_batch_size: int | None = None,
         scheduler: Any = None,
@@ -105,32 +209,63 @@ class Microbatcher:
         tokens_per_sample: Callable[[Any], torch.Tensor] | None = None,
         weight: str = "samples",
         noise: NoiseScaleEstimator | None = None,
+        min_batch_size: int = 1,
+        strategy: str | Strategy = "auto",
+        margin: int | float | str = 0,
+        max_trials: int | None = None,
+        steps: int = 2,
+        trace: bool = True,
+        cache: CacheSpec = False,
     ):
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
-        if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
-            raise ValueError(f"micro_batch_size must be a positive integer or None, got {micro_batch_size!r}")
-        if grow_after is not None and grow_after < 1:
-            raise ValueError(f"grow_after must be at least 1 or None, got {grow_after!r}")
+        search = SearchSettings(
+            min_batch_size=min_batch_size,
+            strategy=strategy,
+            margin=margin,
+            max_trials=max_trials,
+            steps=steps,
+            trace=trace,
+            cache=cache,
+        )
+        self.settings = MicrobatcherSettings(
+            micro_batch_size=micro_batch_size,
+            max_tokens=max_tokens,
+            grow_after=grow_after,
+            guard_optimizer_step=guard_optimizer_step,
+            weight=weight,
+            amp_dtype=amp_dtype,
+            search=search,
+        )
         self.model, self.optimizer = model, optimizer
         self.loss_fn, self.step_fn = loss_fn, step_fn
         self.device = resolve_device(device, model)
-        self.micro_batch_size = micro_batch_size
         self.scheduler, self.scaler = scheduler, scaler
-        self.grow_after, self.guard_optimizer_step = grow_after, guard_optimizer_step
-        if weight not in ("samples", "tokens"):
-            raise ValueError(
-                f"weight must be 'samples' (a loss averaged per sample) or 'tokens' (a loss averaged per token), got {weight!r}"
-            )
-        self.max_tokens = max_tokens
         self.tokens_per_sample = tokens_per_sample or default_tokens_per_sample
         token_weight = lambda piece: int(self.tokens_per_sample(piece).sum())  # noqa: E731
         self.sample_weight = sample_weight or (token_weight if weight == "tokens" else batch_length)
+        self.noise = noise  # the gradient noise scale, measured passively from the micro-batches
+        # Live state: training shrinks and grows these; the settings above never change.
+        self.current_micro_batch_size: int | None = micro_batch_size
+        self.current_max_tokens: int | None = max_tokens
         self.smallest_failure: int | None = None
         self.history: list[StepRecord] = []
-        self.noise = noise  # the gradient noise scale, measured passively from the micro-batches
         self._watcher: GradientWatcher | None = None
         self._clean_steps = 0
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Deprecated: ``current_micro_batch_size`` (the live size; ``settings.micro_batch_size`` is yours)."""
+        _deprecated("Microbatcher", "micro_batch_size", "current_micro_batch_size")
+        return self.current_micro_batch_size
+
+    @property
+    def max_tokens(self) -> int | None:
+        """Deprecated: ``current_max_tokens`` (the live budget; ``settings.max_tokens`` is yours)."""
+        _deprecated("Microbatcher", "max_tokens", "current_max_tokens")
+        return self.current_max_tokens
+
+    @property
+    def _by_tokens(self) -> bool:
+        return self.settings.max_tokens is not None
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -142,14 +277,14 @@ class Microbatcher:
         rank ever waits in a gradient all-reduce that an out-of-memory rank will never join.
         """
         total = batch_length(batch)
-        size = self.max_tokens if self.max_tokens is not None else min(self._current_size(batch), total)
+        size = self.current_max_tokens if self._by_tokens else min(self._current_size(batch), total)
         agreeing = distributed.active()
         self._check_token_budget(batch, size, agreeing)
         ooms = replays = 0
         while True:
             slices = self._slices(batch, size)
             with _accounting(self.device):
-                loss = self._accumulate(batch, slices, size, local_only=agreeing)
+                loss, completed = self._accumulate(batch, slices, size, local_only=agreeing)
             failed = loss is None
             if agreeing and distributed.any_rank(failed) and not failed:
                 failed = True
@@ -157,48 +292,63 @@ class Microbatcher:
             if not failed:
                 break
             ooms += 1
-            replays += 1
-            size = self._shrink(size)
+            replays += completed  # micro-batches whose forward and backward are thrown away and run again
+            size = self._shrink(size, self._floor(batch, agreeing))
         if self._watcher is not None:
             self._watcher.finish(self.noise)  # each rank's own micro-batches, before averaging
         if agreeing and hasattr(self.model, "no_sync"):
             distributed.average_gradients(self.model)
         self._optimizer_step()
-        if ooms and self.max_tokens is not None:
-            self.max_tokens = size
+        if ooms and self._by_tokens:
+            self.current_max_tokens = size
         elif ooms:
-            self.micro_batch_size = size  # only a failure shrinks it: a short batch does not
-        largest = max(stop - start for start, stop in slices)
-        self.history.append(StepRecord(len(self.history), largest, len(slices), ooms, replays, total))
+            self.current_micro_batch_size = size  # only a failure shrinks it: a short batch does not
+        self._record(slices, ooms, replays, total, size)
         self._maybe_grow(ooms)
         return loss
 
-    def _current_size(self, batch: Any) -> int:
-        if self.micro_batch_size is None:
-            from batchfit.search.runner import find_max_batch_size
+    def _record(self, slices: list[tuple[int, int]], ooms: int, replays: int, samples: int, size: int) -> None:
+        largest = max(stop - start for start, stop in slices)
+        budget = size if self._by_tokens else None
+        self.history.append(StepRecord(len(self.history), largest, len(slices), ooms, replays, samples, budget))
 
-            found = find_max_batch_size(
-                self.model,
-                batch,
-                loss_fn=self.loss_fn,
-                optimizer=self.optimizer,
-                step_fn=self.step_fn,
-                device=self.device,
-                max_batch_size=batch_length(batch),
-            )
-            self.micro_batch_size = found.batch_size
-        return self.micro_batch_size
+    def _current_size(self, batch: Any) -> int:
+        if self.current_micro_batch_size is None:
+            self.current_micro_batch_size = self._search(batch)
+        return self.current_micro_batch_size
+
+    def _search(self, batch: Any) -> int:
+        """The largest micro-batch of ``batch`` that fits, by the library's search (at most the whole batch)."""
+        search = self.settings.search
+        settings = search.replace(max_batch_size=max(batch_length(batch), search.min_batch_size))
+        workload = Workload(
+            self.model,
+            batch,
+            loss_fn=self.loss_fn,
+            optimizer=self.optimizer,
+            amp_dtype=self.settings.amp_dtype,
+            step_fn=self.step_fn,
+        )
+        return search_workload(workload, settings, device=self.device).batch_size
 
     def _accumulate(
         self, batch: Any, slices: list[tuple[int, int]], size: int, local_only: bool = False
-    ) -> float | None:
-        """Backward over the micro-batches ``slices``; the mean loss, or ``None`` after an OOM
-        (cleaned up). DDP synchronises on the last micro-batch only, or never with ``local_only``."""
+    ) -> tuple[float | None, int]:
+        """Backward over the micro-batches ``slices``: the mean loss, or ``None`` after an OOM (cleaned
+        up), and how many micro-batches completed. DDP synchronises on the last micro-batch only, or
+        never with ``local_only``."""
         pieces = [slice_batch(batch, start, stop) for start, stop in slices]
         self._watcher = GradientWatcher(self.model, self.scaler) if self.noise is not None else None
-        watch = self._watcher.after if self._watcher is not None else None
+        completed = 0
+
+        def after_each(weight: int, share: float) -> None:
+            nonlocal completed
+            completed += 1
+            if self._watcher is not None:
+                self._watcher.after(weight, share)
+
         try:
-            return backward_micro_batches(
+            loss = backward_micro_batches(
                 runnable(self.model, self.device),
                 pieces,
                 [self.sample_weight(piece) for piece in pieces],
@@ -206,18 +356,21 @@ class Microbatcher:
                 step_fn=self.step_fn,
                 scaler=self.scaler,
                 sync_last=not local_only,
-                after_each=watch,
+                after_each=after_each,
+                amp_dtype=self.settings.amp_dtype,
+                device_type=self.device.torch_device.type,
             )
+            return loss, completed
         except BaseException as error:
             if not is_oom(error):
                 raise
             why = f"{type(error).__name__} in forward/backward at micro-batch {size}"
         self._clean_up(why)  # after the except block, so the failed micro-batch's tensors are free
-        return None
+        return None, completed
 
     def _check_token_budget(self, batch: Any, size: int, agreeing: bool) -> None:
         """A sample longer than the budget cannot be split: every rank learns it before any raises."""
-        if self.max_tokens is None:
+        if not self._by_tokens:
             return
         longest = int(self.tokens_per_sample(batch).max())
         too_long = longest > size
@@ -231,7 +384,7 @@ class Microbatcher:
     def _slices(self, batch: Any, size: int) -> list[tuple[int, int]]:
         """Row ranges of the micro-batches: ``size`` rows each, or at most ``size`` tokens each."""
         total = batch_length(batch)
-        if self.max_tokens is None:
+        if not self._by_tokens:
             return [(start, min(start + size, total)) for start in range(0, total, size)]
         tokens = [int(count) for count in self.tokens_per_sample(batch)]
         if max(tokens) > size:
@@ -280,7 +433,7 @@ class Microbatcher:
             self.optimizer.step()
 
     def _guard(self) -> StateSnapshot | None:
-        if not self.guard_optimizer_step:
+        if not self.settings.guard_optimizer_step:
             return None
         return StateSnapshot.take(self.model, self.optimizer)
 
@@ -313,27 +466,55 @@ class Microbatcher:
             # short by an OOM must start over from a clean slate (torch's own reset is update()).
             self.scaler._per_optimizer_states.clear()
 
-    def _shrink(self, size: int) -> int:
+    def _floor(self, batch: Any, agreeing: bool) -> int:
+        """The smallest micro-batch worth trying: ``min_batch_size`` samples, or a token budget that
+        holds the longest sample (the longest on any rank, so that all ranks stop together)."""
+        if not self._by_tokens:
+            return self.settings.search.min_batch_size
+        longest = int(self.tokens_per_sample(batch).max())
+        return -distributed.agree_min(-longest) if agreeing else longest
+
+    def _shrink(self, size: int, floor: int) -> int:
+        """Half of ``size``, not below ``floor``; ``NoBatchFitsError`` when ``size`` was the floor already."""
         self.smallest_failure = size if self.smallest_failure is None else min(self.smallest_failure, size)
         self._clean_steps = 0
-        if self.max_tokens is not None and size // 2 < 1:
-            raise RuntimeError(f"even a budget of 1 token runs out of memory on {self.device.name}")
-        if size == 1:
-            raise RuntimeError(
-                f"even a micro-batch of 1 runs out of memory on {self.device.name}: free memory or shrink the model (AMP, checkpointing)"
+        if size <= floor and self._by_tokens:
+            raise NoBatchFitsError(
+                f"even a budget of {size} tokens (the longest sample alone) runs out of memory on {self.device.name}: "
+                "use amp_dtype, gradient checkpointing, shorter sequences or a smaller model, or free memory",
+                [],
             )
-        return size // 2
+        if size <= floor:
+            raise NoBatchFitsError(
+                f"even a micro-batch of {size} (the floor, min_batch_size={floor}) runs out of memory on "
+                f"{self.device.name}: use amp_dtype, gradient checkpointing or a smaller model, or free memory",
+                [],
+            )
+        return max(size // 2, floor)
 
     def _maybe_grow(self, ooms: int) -> None:
-        if self.max_tokens is not None:
+        if self._by_tokens:
             return  # the token budget only shrinks
         self._clean_steps = 0 if ooms else self._clean_steps + 1
-        if self.grow_after is None or self._clean_steps < self.grow_after or self.smallest_failure is None:
+        grow_after = self.settings.grow_after
+        if grow_after is None or self._clean_steps < grow_after or self.smallest_failure is None:
             return
-        grown = min(2 * self.micro_batch_size, self.smallest_failure)
-        if grown > self.micro_batch_size:
-            self.micro_batch_size = grown
+        grown = min(2 * self.current_micro_batch_size, self.smallest_failure)
+        if grown > self.current_micro_batch_size:
+            self.current_micro_batch_size = grown
             self._clean_steps = 0
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What the caller gave an ``EvalMicrobatcher``: the first micro-batch size, never changed."""
+
+    micro_batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        size = self.micro_batch_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"micro_batch_size must be a positive integer, got {size!r}")
 
 
 class EvalMicrobatcher:
@@ -341,6 +522,9 @@ class EvalMicrobatcher:
 
     It keeps its own size, so evaluation never shrinks (or waits for) the training micro-batch.
     ``run(batch)`` returns the outputs of the whole batch, concatenated along the batch dimension.
+    What you gave stays in ``settings``; the live size is ``current_micro_batch_size``, and ``ooms``
+    counts the out-of-memory errors so far. If even one sample runs out of memory it raises
+    ``NoBatchFitsError``.
 
     >>> evaluator = EvalMicrobatcher(torch.nn.Linear(4, 2), micro_batch_size=3)
     >>> evaluator.run(torch.randn(10, 4)).shape
@@ -355,19 +539,24 @@ class EvalMicrobatcher:
         micro_batch_size: int = 64,
         forward_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
     ):
-        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
+        self.settings = EvalSettings(micro_batch_size)
         self.model = model
         self.device = resolve_device(device, model)
-        self.micro_batch_size = micro_batch_size
         self.forward_fn = forward_fn or (lambda model, batch: compute_loss(model, batch, need_loss=False))
+        self.current_micro_batch_size = micro_batch_size  # live: halves on every OOM
         self.ooms = 0
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Deprecated: ``current_micro_batch_size`` (the live size; ``settings.micro_batch_size`` is yours)."""
+        _deprecated("EvalMicrobatcher", "micro_batch_size", "current_micro_batch_size")
+        return self.current_micro_batch_size
 
     def run(self, batch: Any) -> Any:
         """The model's outputs for the whole ``batch``, computed in micro-batches that fit."""
         total = batch_length(batch)
         while True:
-            size = min(self.micro_batch_size, total)
+            size = min(self.current_micro_batch_size, total)
             try:
                 outputs = self._forward_all(batch, size)
                 break
@@ -378,8 +567,12 @@ class EvalMicrobatcher:
             self.ooms += 1
             self.device.collect()
             if size == 1:
-                raise RuntimeError(f"even one sample runs out of memory in evaluation on {self.device.name}")
-            self.micro_batch_size = size // 2
+                raise NoBatchFitsError(
+                    f"even one sample runs out of memory in evaluation on {self.device.name}: "
+                    "use autocast, a smaller model or shorter inputs, or free memory",
+                    [],
+                )
+            self.current_micro_batch_size = size // 2
         if len(outputs) == 1:
             return outputs[0]
         return torch.utils._pytree.tree_map(lambda *parts: torch.cat(parts), *outputs)

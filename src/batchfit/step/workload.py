@@ -27,7 +27,12 @@ OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimize
 PhaseMark = Callable[[str], None]
 
 
-def _amp_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+def amp_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
+    """``torch.float16``, ``torch.bfloat16`` or ``None``, from a dtype or a name such as ``"bf16"``.
+
+    >>> amp_dtype_of("bf16")
+    torch.bfloat16
+    """
     if value is None or value in (torch.float16, torch.bfloat16):
         return value
     if isinstance(value, str) and value.lower() in AMP_DTYPES:
@@ -45,49 +50,94 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -
         )
 
 
+def _built_optimizer(
+    optimizer: torch.optim.Optimizer | OptimizerFactory | None, model: torch.nn.Module
+) -> torch.optim.Optimizer | None:
+    """``optimizer`` itself, or what the factory ``optimizer(model.parameters())`` returns; either
+    must hold only ``model``'s parameters."""
+    if optimizer is None:
+        return None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise TypeError("optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer")
+        made = optimizer(model.parameters())
+        if not isinstance(made, torch.optim.Optimizer):
+            raise TypeError(
+                f"the optimizer factory returned {type(made).__name__}, not a torch.optim.Optimizer: "
+                "return one, e.g. lambda params: torch.optim.AdamW(params)"
+            )
+        optimizer = made
+    _check_optimizer(optimizer, model)
+    return optimizer
+
+
 @dataclass
 class Workload:
     """What a probe runs: ``model``, one ``sample_batch``, ``loss_fn``, ``optimizer``, ``amp_dtype``.
 
-    Calling convention (as in seed 000): a sample ``(inputs, targets)`` runs
-    ``loss_fn(model(inputs), targets)``; a mapping runs ``model(**batch)`` and uses ``output.loss``
-    unless ``loss_fn(output, batch)`` is given; anything else runs ``model(batch)`` and
-    ``loss_fn(output, batch)``. ``step_fn(model, batch) -> loss`` overrides all of it.
-    ``optimizer`` may also be a factory ``params -> Optimizer``. ``mode="eval"`` runs the forward
-    pass only, under ``torch.no_grad()``. ``mode="generate"`` runs generation under
-    ``torch.no_grad()``, so the KV cache is in the probe (seed 002): ``step_fn(model, batch)`` if
-    given (e.g. ``lambda m, b: m.generate(**b, max_new_tokens=64)``), else ``model.generate(inputs,
+    Calling convention (as in the classic binary search for the batch size): a sample
+    ``(inputs, targets)`` runs ``loss_fn(model(inputs), targets)``; a mapping runs
+    ``model(**batch)`` and uses ``output.loss`` unless ``loss_fn(output, batch)`` is given; anything
+    else runs ``model(batch)`` and ``loss_fn(output, batch)``. ``step_fn(model, batch) -> loss``
+    overrides all of it. ``mode="eval"`` runs the forward pass only, under ``torch.no_grad()``.
+    ``mode="generate"`` runs generation under ``torch.no_grad()``, so the KV cache is in the probe
+    (generation needs more memory than a forward pass): ``step_fn(model, batch)`` if given (e.g.
+    ``lambda m, b: m.generate(**b, max_new_tokens=64)``), else ``model.generate(inputs,
     max_new_tokens=max_new_tokens)`` (a mapping batch is passed as keywords, without ``labels``).
     ``accumulating=True`` runs each step as a later micro-batch of a gradient-accumulation window:
     the gradients exist (as zeros) before the forward, so their memory is held through forward and
     backward, as in training with ``gradient_accumulation_steps > 1``.
 
+    Construction checks every field and converts exactly three, each documented on its field:
+    an optimizer factory is called once (``optimizer``), an AMP spelling such as ``"bf16"``
+    becomes its ``torch.dtype`` (``amp_dtype``), and a missing ``name`` becomes the model's class
+    name. Nothing else is changed, and the model, batch and optimizer passed in are never touched.
+
     >>> model = torch.nn.Linear(4, 2)
     >>> work = Workload(model, (torch.randn(8, 4), torch.randint(0, 2, (8,))),
     ...                 loss_fn=torch.nn.functional.cross_entropy,
-    ...                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    >>> work.sample_length
-    8
+    ...                 optimizer=lambda params: torch.optim.SGD(params, lr=0.1), amp_dtype="bf16")
+    >>> work.sample_length, type(work.optimizer).__name__, work.amp_dtype, work.name
+    (8, 'SGD', torch.bfloat16, 'Linear')
     """
 
     model: torch.nn.Module
+    """The module a step trains (or evaluates); its parameters are restored after every probe."""
     sample_batch: Any
+    """One real batch from the data loader: any nesting of tensors sharing a leading batch
+    dimension; batches of other sizes are built from its rows."""
     loss_fn: LossFn | None = None
+    """``loss_fn(output, targets)`` (or ``(output, batch)``) returning a scalar tensor, by the
+    calling convention; ``None`` uses ``output.loss`` for a mapping batch."""
     optimizer: torch.optim.Optimizer | OptimizerFactory | None = None
+    """The optimizer over ``model.parameters()``, or ``None`` to skip the optimizer step. A factory
+    ``params -> Optimizer`` is accepted: it is called once, at construction, with
+    ``model.parameters()``, and this field holds the optimizer it returned from then on."""
     amp_dtype: torch.dtype | str | None = None
+    """The autocast dtype, ``torch.float16`` or ``torch.bfloat16``, or ``None`` for no AMP. The
+    spellings ``"fp16"``, ``"float16"``, ``"bf16"`` and ``"bfloat16"`` are accepted and stored
+    as the ``torch.dtype`` they name, so this field always reads as a ``torch.dtype`` or ``None``."""
     mode: str = "train"
+    """``"train"`` (forward, backward, optimizer step), ``"eval"`` (forward under no_grad) or
+    ``"generate"`` (generation under no_grad)."""
     step_fn: StepFn | None = None
+    """``step_fn(model, batch) -> loss`` (in generate mode: the generation), replacing the
+    calling convention."""
     name: str | None = None
+    """What reports call the workload; ``None`` is stored as the model's class name."""
     max_new_tokens: int = 16
+    """Tokens ``model.generate`` produces per probe in ``mode="generate"``."""
     accumulating: bool = False
+    """Run each step as a later micro-batch of an accumulation window (gradients held through
+    forward and backward)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        self.amp_dtype = _amp_dtype(self.amp_dtype)
-        self.sample_length = batch_length(self.sample_batch)
+        self.amp_dtype = amp_dtype_of(self.amp_dtype)
+        batch_length(self.sample_batch)  # a sample without one batch length fails here, naming the fix
         if self.mode == "generate":
             _check_generation(self)
         if self.mode == "train" and not any(p.requires_grad for p in self.model.parameters()):
@@ -95,19 +145,13 @@ class Workload:
         for name in ("loss_fn", "step_fn"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise TypeError(f"{name} must be a function, got {getattr(self, name)!r}: {_CALL_HELP[name]}")
-        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
-            if not callable(self.optimizer):
-                raise TypeError("optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer")
-            made = self.optimizer(self.model.parameters())
-            if not isinstance(made, torch.optim.Optimizer):
-                raise TypeError(
-                    f"the optimizer factory returned {type(made).__name__}, not a torch.optim.Optimizer: "
-                    "return one, e.g. lambda params: torch.optim.AdamW(params)"
-                )
-            self.optimizer = made
-        if self.optimizer is not None:
-            _check_optimizer(self.optimizer, self.model)
+        self.optimizer = _built_optimizer(self.optimizer, self.model)
         self.name = self.name or type(self.model).__name__
+
+    @property
+    def sample_length(self) -> int:
+        """Rows in ``sample_batch`` (its batch dimension), derived from it on every read."""
+        return batch_length(self.sample_batch)
 
     # -- what a step holds -------------------------------------------------------------------
 
