@@ -92,3 +92,10 @@ def test_a_bad_loss_leaves_the_model_untouched():
     with pytest.raises(ValueError):
         bf.find_max_batch_size(model, batch, loss_fn=lambda o, t: o, device="sim:1MiB")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("device", ["cuda", "sim:lots", "a200-40gb", 0, torch.device("cpu"), bf.CpuDevice()])
+def test_estimate_memory_names_the_devices_it_takes(device):
+    model, batch = model_and_batch()
+    with pytest.raises(ValueError, match=r"^an estimate cannot run on device .*give a TraceDevice.*'a100-40gb'"):
+        bf.estimate_memory(model, batch, 8, loss_fn=F.cross_entropy, device=device)

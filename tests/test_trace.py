@@ -3,7 +3,10 @@ the GPU presets, and the cases fake tensors cannot handle."""
 
 from __future__ import annotations
 
+import inspect
+import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -20,8 +23,10 @@ from batchfit.devices.presets import CUDA_RESERVE_BYTES
 from batchfit.devices.presets import preset
 from batchfit.devices.presets import usable_bytes
 from batchfit.devices.trace import TraceDevice
+from batchfit.devices.units import format_bytes
 from batchfit.errors import TraceError
 from batchfit.search.estimate import analytic_estimate
+from batchfit.search.estimate import estimate_memory
 from batchfit.search.estimate import estimate_workload
 from models import CASES
 from models import cnn_bn
@@ -114,7 +119,7 @@ def test_a_megatron_block_matches_korthikanti_et_al_2022():
     assert estimate.breakdown["activations"] + layer_input == pytest.approx(formula, rel=0.05)
 
 
-def test_analytic_estimate_corrects_seed_001():
+def test_analytic_estimate_corrects_the_textbook_formula():
     work = mlp_tuple()  # Adam on fp32 parameters
     params = sum(p.numel() * p.element_size() for p in work.model.parameters())
     analytic = analytic_estimate(work, 16)
@@ -240,3 +245,96 @@ def test_reserved_memory_rounds_large_blocks_to_2mib_segments():
         small, large = torch.empty(1000, dtype=torch.uint8), torch.empty(3 * 2**20, dtype=torch.uint8)
         assert counter.live_bytes == 1024 + 4 * 2**20
         del small, large
+
+
+def _linear_and_batch():
+    model = nn.Linear(64, 64)
+    return model, (torch.randn(4, 64), torch.randn(4, 64)), torch.optim.Adam(model.parameters())
+
+
+A100_BYTES = usable_bytes("a100-40gb")
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        TraceDevice("a100-40gb"),
+        "a100-40gb",
+        "trace:a100-40gb",
+        "sim:" + str(A100_BYTES),
+        bf.SimulatedDevice(A100_BYTES),
+        A100_BYTES,
+        f"{A100_BYTES}B",
+    ],
+    ids=["TraceDevice", "preset", "trace:", "sim:", "SimulatedDevice", "bytes", "size"],
+)
+def test_estimate_memory_takes_every_form_of_device(device):
+    model, batch, optimizer = _linear_and_batch()
+    estimate = bf.estimate_memory(model, batch, 32, loss_fn=F.mse_loss, optimizer=optimizer, device=device)
+    reference = bf.estimate_memory(model, batch, 32, loss_fn=F.mse_loss, optimizer=optimizer)
+    assert estimate.capacity_bytes == A100_BYTES and estimate.fits is True
+    assert estimate.peak_bytes == reference.peak_bytes and reference.capacity_bytes is None and reference.fits is None
+
+
+def test_estimate_memory_measures_past_the_capacity_and_leaves_the_device_alone():
+    model, batch, optimizer = _linear_and_batch()
+    device = TraceDevice("64KiB")
+    estimate = bf.estimate_memory(model, batch, 512, loss_fn=F.mse_loss, optimizer=optimizer, device=device)
+    assert estimate.fits is False and estimate.peak_bytes > 64 * 2**10 == estimate.capacity_bytes
+    assert device.peak_bytes() == 0 and device.counter.ledger is None  # traced on a fresh device
+
+
+def test_estimate_memory_keeps_the_trace_devices_reserved_rounding():
+    model, batch, optimizer = _linear_and_batch()
+    plain, reserved = (
+        bf.estimate_memory(model, batch, 5000, loss_fn=F.mse_loss, optimizer=optimizer, device=device)
+        for device in (TraceDevice("1GiB"), TraceDevice("1GiB", reserved=True))
+    )
+    assert reserved.peak_bytes > plain.peak_bytes  # 1 MiB+ storages rounded to 2 MiB segments
+
+
+def test_estimate_memory_capacity_is_deprecated_for_device():
+    model, batch, optimizer = _linear_and_batch()
+    with pytest.warns(DeprecationWarning, match=r"capacity=.*deprecated: pass device="):
+        old = bf.estimate_memory(model, batch, 8, loss_fn=F.mse_loss, optimizer=optimizer, capacity="a100-40gb")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = bf.estimate_memory(model, batch, 8, loss_fn=F.mse_loss, optimizer=optimizer, device="a100-40gb")
+    assert old == new
+    with pytest.raises(TypeError, match="device= or the deprecated capacity=, not both"):
+        bf.estimate_memory(model, batch, 8, loss_fn=F.mse_loss, device="a100-40gb", capacity="40GiB")
+
+
+def test_estimate_memory_keywords_follow_find_max_batch_size():
+    def keywords(function):
+        return [p.name for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY]
+
+    estimate = keywords(estimate_memory)
+    assert estimate[:5] == ["loss_fn", "optimizer", "amp_dtype", "device", "steps"]
+    assert estimate[5:7] == ["mode", "step_fn"]
+    shared = [name for name in keywords(bf.find_max_batch_size) if name in estimate]
+    assert shared == [name for name in estimate if name in shared]
+
+
+def test_summaries_name_the_peak_and_the_largest_part_and_dicts_are_json():
+    work = gpt_tiny()
+    estimate = estimate_workload(work, 4, device="a100-40gb")
+    largest = max(estimate.breakdown, key=estimate.breakdown.get).replace("_", " ")
+    sentence = estimate.summary()
+    assert sentence.startswith("At batch size 4 the peak is ") and f"the largest part {largest} (" in sentence
+    assert sentence.endswith(f"; it fits in {format_bytes(A100_BYTES)}.") and ". " not in sentence  # one sentence
+    analytic = estimate.analytic
+    assert analytic.summary().startswith("The analytic estimate is ") and "the largest part " in analytic.summary()
+    document = json.loads(json.dumps(estimate.to_dict()))
+    assert document["peak_bytes"] == estimate.peak_bytes and document["analytic"] == analytic.to_dict()
+    assert json.loads(json.dumps(analytic.to_dict()))["peak_bytes"] == analytic.peak_bytes
+
+
+class Plain(torch.optim.SGD):
+    """An SGD by another name: its state is SGD's (none without momentum)."""
+
+
+def test_the_analytic_optimizer_state_follows_the_class_not_its_name():
+    work = mlp_tuple()
+    work = bf.Workload(work.model, work.sample_batch, work.loss_fn, Plain(work.model.parameters(), lr=0.1))
+    assert analytic_estimate(work, 4).optimizer_state == 0

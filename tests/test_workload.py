@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+import itertools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
 from batchfit.cli.examples import MLPClassifier
+from batchfit.step.batching import resize_batch
 
 SIM = "sim:4MiB"
 
@@ -123,3 +129,39 @@ def test_optimizer_factory_is_built_from_the_models_parameters():
     work = bf.Workload(model, torch.randn(2, 4), lambda out, batch: out.sum(), lambda params: torch.optim.Adam(params))
     assert isinstance(work.optimizer, torch.optim.Adam)
     assert {id(p) for g in work.optimizer.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+
+
+def test_a_workload_holds_only_its_declared_fields():
+    model = nn.Linear(4, 2)
+    work = bf.Workload(model, torch.randn(2, 4), lambda out, batch: out.sum(), amp_dtype="bf16")
+    assert set(vars(work)) == {field.name for field in dataclasses.fields(work)}
+    work.sample_batch = resize_batch(work.sample_batch, 5)  # derived, so never stale
+    assert work.sample_length == 5
+
+
+def test_every_field_has_a_docstring():
+    tree = ast.parse(inspect.getsource(bf.Workload))
+    body = tree.body[0].body
+    fields = [node.target.id for node in body if isinstance(node, ast.AnnAssign)]
+    documented = [
+        node.target.id
+        for node, after in itertools.pairwise(body)
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+    ]
+    assert fields == documented == [field.name for field in dataclasses.fields(bf.Workload)]
+
+
+def test_construction_converts_only_what_it_documents():
+    model = nn.Linear(4, 2)
+    calls = []
+
+    def factory(params):
+        calls.append(1)
+        return torch.optim.SGD(params, lr=0.1)
+
+    loss_fn, batch = (lambda out, batch: out.sum()), torch.randn(2, 4)
+    work = bf.Workload(model, batch, loss_fn, factory, "fp16", mode="train")
+    assert work.amp_dtype is torch.float16 and work.name == "Linear" and isinstance(work.optimizer, torch.optim.SGD)
+    assert work.model is model and work.sample_batch is batch and work.loss_fn is loss_fn
+    again = dataclasses.replace(work, accumulating=True)  # the conversions are idempotent
+    assert again.optimizer is work.optimizer and again.amp_dtype is torch.float16 and calls == [1]

@@ -22,6 +22,7 @@ from batchfit.devices.presets import ACCELERATORS
 from batchfit.devices.presets import is_preset
 from batchfit.devices.presets import usable_bytes
 from batchfit.devices.simulated import CUDA_BLOCK_BYTES
+from batchfit.devices.simulated import SimulatedDevice
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
 from batchfit.errors import NoBatchFitsError
@@ -30,6 +31,11 @@ from batchfit.step.batching import map_tensors
 from batchfit.step.workload import Workload
 
 CUDA_LARGE_ROUND_BYTES = 2 * 2**20  # the caching allocator rounds requests over 1 MiB to 2 MiB segments
+UNLIMITED_BYTES = 1 << 60  # a capacity no trace reaches: an estimate measures the whole peak
+TRACE_DEVICE_HELP = (
+    "give a TraceDevice or SimulatedDevice, 'trace:CAPACITY' or 'sim:CAPACITY' (e.g. 'sim:40GiB'), "
+    "a GPU preset such as 'a100-40gb', a capacity such as '40GiB' or a byte count, or None"
+)
 
 
 @contextlib.contextmanager
@@ -141,6 +147,20 @@ class TraceDevice(CountingDevice):
     def capacity_bytes(self) -> int:
         return self._capacity_bytes
 
+    def unlimited(self) -> TraceDevice:
+        """A fresh TraceDevice like this one (rounding, reserved memory, device type) with no
+        capacity limit, so a trace measures the whole peak; this device is left as it is.
+
+        >>> TraceDevice("1GiB", reserved=True).unlimited().capacity_bytes() > 2**50
+        True
+        """
+        return TraceDevice(
+            UNLIMITED_BYTES,
+            rounding_bytes=self.counter.rounding_bytes,
+            reserved=self.counter.large_rounding_bytes is not None,
+            device=self.torch_device,
+        )
+
     def prepare(self, workload: Workload) -> Workload:
         """A copy of ``workload`` with fake tensors: what trials on this device run."""
         return _FakeWorkloadBuilder(self.fake_mode).build(super().prepare(workload))
@@ -149,3 +169,30 @@ class TraceDevice(CountingDevice):
     def measuring(self) -> Iterator[None]:
         with self.fake_mode, self.counter.mode():
             yield
+
+
+def as_trace_device(spec: TraceDevice | SimulatedDevice | int | str | None) -> TraceDevice | None:
+    """The TraceDevice ``spec`` names for an estimate on fake tensors: a ``TraceDevice`` itself; a
+    ``SimulatedDevice`` or ``"sim:CAPACITY"`` as a device of that capacity; ``"trace:CAPACITY"``,
+    a GPU preset (``"a100-40gb"``) or a capacity (bytes or ``"40GiB"``); ``None`` stays ``None``
+    (no capacity). Anything else is a ``ValueError`` naming what is accepted.
+
+    >>> as_trace_device("sim:40GiB").capacity_bytes() == as_trace_device(40 * 2**30).capacity_bytes()
+    True
+    """
+    if spec is None or isinstance(spec, TraceDevice):
+        return spec
+    if isinstance(spec, SimulatedDevice):
+        return TraceDevice(spec.capacity_bytes(), rounding_bytes=spec.counter.rounding_bytes)
+    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
+        raise ValueError(f"an estimate cannot run on device {spec!r} ({type(spec).__name__}): {TRACE_DEVICE_HELP}")
+    capacity = spec
+    if isinstance(spec, str) and spec.strip().lower().startswith(("sim:", "trace:")):
+        capacity = spec.strip().split(":", 1)[1]
+    try:
+        return TraceDevice(capacity)
+    except (ValueError, TypeError):
+        presets = ", ".join(ACCELERATORS)
+        raise ValueError(
+            f"an estimate cannot run on device {spec!r}: {TRACE_DEVICE_HELP} (presets: {presets})"
+        ) from None

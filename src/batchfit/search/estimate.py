@@ -2,14 +2,16 @@
 
 ``estimate_memory`` runs the training step on fake tensors (``TraceDevice``) and splits the peak
 into parameters, gradients, optimizer state, activations (saved for backward), the batch and
-temporaries, by tagging every storage as it appears. ``analytic_estimate`` is seed 001's formula,
-corrected: optimizer state by optimizer and in the parameters' dtype (fp32 under torch AMP),
-momentum counted, activations from the model's structure rather than b·s·h per layer, and
-checkpointing keeping each block's input rather than "one layer".
+temporaries, by tagging every storage as it appears. ``analytic_estimate`` is the textbook formula
+(parameters + gradients + optimizer state + batch size × activations per sample), corrected:
+optimizer state by optimizer and in the parameters' dtype (fp32 under torch AMP), momentum
+counted, activations from the model's structure rather than b·s·h per layer, and checkpointing
+keeping each block's input rather than "one layer".
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from dataclasses import dataclass
@@ -19,9 +21,12 @@ from typing import Any
 import torch
 
 from batchfit.devices.accounting import Ledger
+from batchfit.devices.simulated import SimulatedDevice
+from batchfit.devices.trace import UNLIMITED_BYTES
 from batchfit.devices.trace import TraceDevice
-from batchfit.devices.trace import trace_capacity_bytes
+from batchfit.devices.trace import as_trace_device
 from batchfit.devices.trace import tracing
+from batchfit.devices.units import format_bytes
 from batchfit.search.prober import Prober
 from batchfit.step.batching import resize_batch
 from batchfit.step.batching import tensor_leaves
@@ -29,7 +34,13 @@ from batchfit.step.workload import Workload
 from batchfit.step.workload import autocast
 
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "batch", "temporaries")
-UNLIMITED_BYTES = 1 << 60
+EstimateDevice = TraceDevice | SimulatedDevice | int | str | None
+
+
+def _largest_part(parts: dict[str, int]) -> str:
+    """``"activations (1.2 GiB)"``: the largest of ``parts`` and its size."""
+    name, nbytes = max(parts.items(), key=lambda item: item[1])
+    return f"{name.replace('_', ' ')} ({format_bytes(nbytes)})"
 
 
 @dataclass(frozen=True)
@@ -47,7 +58,18 @@ class AnalyticEstimate:
         return self.parameters + self.gradients + self.optimizer_state + self.activations + self.batch
 
     def to_dict(self) -> dict[str, int]:
+        """The components and ``peak_bytes``, JSON-ready."""
         return {**asdict(self), "peak_bytes": self.peak_bytes}
+
+    def summary(self) -> str:
+        """One sentence: the analytic peak and its largest component.
+
+        >>> AnalyticEstimate(2**20, 2**20, 2**21, 2**22, 1024).summary()
+        'The analytic estimate is 8.0 MiB, the largest part activations (4.0 MiB).'
+        """
+        return (
+            f"The analytic estimate is {format_bytes(self.peak_bytes)}, the largest part {_largest_part(asdict(self))}."
+        )
 
 
 @dataclass
@@ -71,7 +93,20 @@ class MemoryEstimate:
         """Whether the peak stays within the capacity (``None`` when no capacity was given)."""
         return None if self.capacity_bytes is None else self.peak_bytes <= self.capacity_bytes
 
+    def summary(self) -> str:
+        """One sentence: the peak, where it happens, its largest category, and whether it fits.
+
+        >>> MemoryEstimate(8, 3 * 2**20, {"parameters": 2**20, "activations": 2**21}, "backward", 2**30).summary()
+        'At batch size 8 the peak is 3.0 MiB (in backward), the largest part activations (2.0 MiB); it fits in 1.0 GiB.'
+        """
+        sentence = f"At batch size {self.batch_size} the peak is {format_bytes(self.peak_bytes)} (in {self.peak_phase})"
+        sentence += f", the largest part {_largest_part(self.breakdown)}"
+        if self.capacity_bytes is not None:
+            sentence += f"; it {'fits in' if self.fits else 'does not fit in'} {format_bytes(self.capacity_bytes)}"
+        return sentence + "."
+
     def to_dict(self) -> dict[str, Any]:
+        """Every field, ``fits`` and the analytic estimate, JSON-ready."""
         return {
             "batch_size": self.batch_size,
             "peak_bytes": self.peak_bytes,
@@ -125,19 +160,34 @@ def _register_roles(ledger: Ledger, device: TraceDevice, work: Workload) -> None
     ledger.tag = "batch"
 
 
+def _target_device(device: EstimateDevice, capacity: int | str | None, caller: str) -> TraceDevice | None:
+    """The device ``device=`` (or the deprecated ``capacity=``) names, as a TraceDevice."""
+    if capacity is not None:
+        if device is not None:
+            raise TypeError(f"{caller} takes device= or the deprecated capacity=, not both: pass device= alone")
+        warnings.warn(
+            f"{caller}(capacity=...) is deprecated: pass device=... (a capacity, a GPU preset or a TraceDevice)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        device = capacity
+    return as_trace_device(device)
+
+
 def estimate_workload(
     workload: Workload,
     batch_size: int,
     *,
-    capacity: int | str | None = None,
+    device: EstimateDevice = None,
     steps: int = 2,
     analytic: bool = True,
-    reserved: bool = False,
+    capacity: int | str | None = None,
 ) -> MemoryEstimate:
-    """``estimate_memory`` for a ``Workload``."""
+    """``estimate_memory`` for a ``Workload``; ``capacity=`` is deprecated (pass ``device=``)."""
+    target = _target_device(device, capacity, "estimate_workload")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
-    tracer = TraceDevice(UNLIMITED_BYTES, reserved=reserved)
+    tracer = target.unlimited() if target is not None else TraceDevice(UNLIMITED_BYTES)
     with tracing():
         fake = tracer.prepare(workload)
         ledger = tracer.counter.ledger = Ledger()
@@ -150,7 +200,7 @@ def estimate_workload(
         peak_bytes=trial.peak_bytes,
         breakdown=breakdown,
         peak_phase=ledger.peak_phase,
-        capacity_bytes=None if capacity is None else trace_capacity_bytes(capacity),
+        capacity_bytes=None if target is None else target.capacity_bytes(),
         analytic=analytic_estimate(workload, batch_size) if analytic else None,
     )
 
@@ -163,44 +213,49 @@ def estimate_memory(
     loss_fn: Callable | None = None,
     optimizer: Any = None,
     amp_dtype: torch.dtype | str | None = None,
-    capacity: int | str | None = None,
+    device: EstimateDevice = None,
+    steps: int = 2,
     mode: str = "train",
     step_fn: Callable | None = None,
-    steps: int = 2,
+    capacity: int | str | None = None,
 ) -> MemoryEstimate:
     """Peak memory of a training step at ``batch_size``, with a breakdown, on no hardware at all.
 
-    The step runs on fake tensors (shapes and dtypes, no data), so it costs about the same at any
-    batch size. ``capacity`` (bytes, ``"40GiB"`` or a GPU preset such as ``"a100-40gb"``) sets
-    ``.fits``. The model and optimizer are not touched.
+    The step always runs on fake tensors (shapes and dtypes, no data, a ``TraceDevice``), so it
+    costs about the same at any batch size. ``device`` is the device to judge ``.fits`` against:
+    a ``TraceDevice``, a GPU preset such as ``"a100-40gb"``, a capacity (bytes or ``"40GiB"``),
+    ``"trace:CAPACITY"``, or a ``SimulatedDevice``/``"sim:CAPACITY"`` meaning a device of that
+    capacity; ``None`` leaves ``.fits`` unknown. ``capacity=`` is the deprecated spelling of a
+    capacity or preset ``device=``. The model and optimizer are not touched.
 
     >>> model = torch.nn.Linear(256, 256)
     >>> estimate = estimate_memory(model, torch.randn(2, 256), 1024, loss_fn=lambda out, batch: out.sum(),
-    ...                            optimizer=torch.optim.Adam(model.parameters()), capacity="a100-40gb")
+    ...                            optimizer=torch.optim.Adam(model.parameters()), device="a100-40gb")
     >>> estimate.fits, sum(estimate.breakdown.values()) == estimate.peak_bytes
     (True, True)
     """
+    target = _target_device(device, capacity, "estimate_memory")
     workload = Workload(
         model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
     )
-    return estimate_workload(workload, batch_size, capacity=capacity, steps=steps)
+    return estimate_workload(workload, batch_size, device=target, steps=steps)
 
 
 # -- the analytic first guess ---------------------------------------------------------------------
 
 
 # Optimizer state as multiples of the parameters, in the parameters' dtype (torch makes its state
-# with zeros_like(param)): seed 001 halved Adam's state "in FP16" and gave momentum SGD none.
+# with zeros_like(param)), where the textbook formula is often quoted with Adam's state halved "in
+# FP16" and none for momentum SGD. Subclasses count as their base class.
 def _state_multiple(optimizer: torch.optim.Optimizer) -> int:
     group = optimizer.param_groups[0]
-    name = type(optimizer).__name__
-    if name == "SGD":
+    if isinstance(optimizer, torch.optim.SGD):
         return 1 if group.get("momentum", 0) else 0
-    if name in ("Adam", "AdamW"):
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return 3 if group.get("amsgrad") else 2
-    if name == "RMSprop":
+    if isinstance(optimizer, torch.optim.RMSprop):
         return 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
-    if name in ("Adagrad",):
+    if isinstance(optimizer, torch.optim.Adagrad):
         return 1
     return 2  # Adamax, NAdam, RAdam, Adadelta and unknown ones: two moments is the common case
 
@@ -257,7 +312,7 @@ def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 def analytic_estimate(
     workload: Workload, batch_size: int, *, checkpointing: bool = False, master_weights: bool = False
 ) -> AnalyticEstimate:
-    """Seed 001's formula, corrected (see the module's docstring). Activations are the outputs of
+    """The textbook formula, corrected (see the module's docstring). Activations are the outputs of
     every leaf module, per sample, times the batch; with ``checkpointing`` only each repeated
     block's input is kept, plus one block's activations during its recomputation.
     ``master_weights`` adds an fp32 copy of every trainable parameter to the optimizer state,

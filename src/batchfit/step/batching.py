@@ -142,7 +142,7 @@ def pad_sequences(batch: Any, length: int, *, value: int | float = 0) -> Any:
 
     Tensors with a second dimension shorter than ``length`` are padded with ``value``; masks
     (keys containing ``mask``) with 1, so every padded position is attended, as the longest real
-    sequences would be. Seed 002's point: probe what the real run will hit.
+    sequences would be: probe what the real run will hit, not what the sample happens to hold.
 
     >>> pad_sequences({"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3)}, 5)["attention_mask"].sum().item()
     10.0
