@@ -1,8 +1,9 @@
 """The gradient noise scale against brute force, its invariances, the plan at the critical batch,
-goodput against the analytic optimum, and seed 004's empirical method."""
+goodput against the analytic optimum, and the critical batch found by training at each size."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -273,7 +274,20 @@ def test_the_microbatcher_measures_from_the_micro_batches_that_survived_an_oom()
     data = loader(inputs, targets, 64)
     for _ in range(6):
         batcher.step(next(data))
-    assert batcher.history[0].ooms == 2 and batcher.micro_batch_size == 16  # 64 and 32 ran out of memory
+    assert batcher.history[0].ooms == 2 and batcher.current_micro_batch_size == 16  # 64 and 32 ran out of memory
     passive = estimator.result()
     assert passive.steps == 6 and passive.small_batch_size == 16
     assert passive.b_simple == pytest.approx(active.b_simple, rel=1e-9)
+
+
+def test_the_noise_scale_and_goodput_summarise_and_serialise():
+    noise = bf.NoiseScale(300.0, 10.0, 1.0, 300.0, 50, 8, 64, (290.0, 310.0))
+    assert json.loads(json.dumps(noise.to_dict()))["critical_range"] == [290.0, 310.0]
+    assert noise.summary().startswith("Gradient noise scale B_simple = 300.0 ± 10.0 over 50 steps")
+    points = [ThroughputPoint(b, 0.1 + 0.001 * b, b / (0.1 + 0.001 * b), None, None) for b in (1, 4, 16, 64, 256)]
+    found = bf.goodput(ThroughputResult(64, 256, 256, 0.05, points, 0.1, 0.001, "synthetic"), 400.0)
+    assert json.loads(json.dumps(found.to_dict()))["optimal_batch_size"] == found.optimal_batch_size == 200
+    assert found.summary() == (
+        "With a gradient noise scale of 400, goodput (throughput x statistical efficiency, Pollux) is best at "
+        f"batch {found.best_measured_batch_size} of those measured; the fitted line peaks at 200 (sqrt(B_simple x alpha / beta))."
+    )

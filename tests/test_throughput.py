@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
+from batchfit.devices.simulated import SimulatedDevice
 from batchfit.search.throughput import find_optimal_batch_size
 
 ALPHA, BETA = 0.01, 1e-4  # seconds, seconds per sample
@@ -116,3 +118,113 @@ def test_without_a_maximum_it_finds_one_first_on_a_real_model():
 def test_bad_inputs(kwargs, message):
     with pytest.raises(ValueError, match=message):
         optimal(max_batch_size=16, **kwargs)
+
+
+def test_timing_warmup_steps_run_untimed_before_the_timed_steps():
+    model, batch, _, clock = timed_workload()
+    calls: dict[int, int] = {}
+
+    def counting_step(model, batch):
+        calls[batch.shape[0]] = calls.get(batch.shape[0], 0) + 1
+        clock.now += ALPHA + BETA * batch.shape[0]
+        return model(batch).mean()
+
+    find_optimal_batch_size(
+        model,
+        batch,
+        step_fn=counting_step,
+        device="sim:64MiB",
+        clock=clock,
+        max_batch_size=8,
+        timing_warmup_steps=3,
+        timed_steps=2,
+    )
+    assert {1, 2, 4, 8} <= set(calls) and set(calls.values()) == {5}  # 3 untimed + 2 timed per size
+    with pytest.raises(ValueError, match="need timing_warmup_steps >= 0"):
+        optimal(max_batch_size=8, timing_warmup_steps=-1)
+
+
+def test_the_search_for_the_maximum_gets_every_search_keyword(monkeypatch):
+    import batchfit.search.throughput as throughput
+
+    seen = []
+
+    def fake_search(workload, settings=None, *, device=None, **options):
+        seen.append((settings, options))
+        return type("Found", (), {"batch_size": 16})()
+
+    monkeypatch.setattr(throughput, "search_workload", fake_search)
+    result = optimal(min_batch_size=3, strategy="binary", margin="1MiB", trace=False, cache=False)
+    ((settings, options),) = seen
+    assert options == {} and (settings.min_batch_size, settings.strategy, settings.margin, settings.trace) == (
+        3,
+        "binary",
+        "1MiB",
+        False,
+    )
+    assert result.max_batch_size == 16 and min(p.batch_size for p in result.points) == 3
+
+
+def test_a_margin_is_kept_free_while_timing_too():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    batch = (torch.randn(4, 16), torch.randint(0, 4, (4,)))
+    loss = torch.nn.functional.cross_entropy
+    kept = find_optimal_batch_size(model, batch, loss_fn=loss, device="sim:96KiB", timed_steps=1, margin=0.5)
+    full = find_optimal_batch_size(model, batch, loss_fn=loss, device="sim:96KiB", timed_steps=1)
+    assert kept.max_batch_size < full.max_batch_size
+    too_big = find_optimal_batch_size(
+        model, batch, loss_fn=loss, device="sim:96KiB", timed_steps=1, margin=0.5, max_batch_size=full.max_batch_size
+    )
+    assert max(p.batch_size for p in too_big.points) < full.max_batch_size  # the largest no longer fits the margin
+
+
+class TimelineDevice(SimulatedDevice):
+    """A simulated device with CUDA's ``record_timeline`` switch."""
+
+    def __init__(self, capacity):
+        super().__init__(capacity)
+        self.record_timeline = True
+
+
+def test_the_callers_device_is_left_exactly_as_it_was():
+    device = TimelineDevice("64MiB")
+    model, batch, step_fn, clock = timed_workload()
+    find_optimal_batch_size(model, batch, step_fn=step_fn, device=device, clock=clock, max_batch_size=8)
+    assert device.record_timeline is True
+
+    def failing_step(model, batch):
+        raise RuntimeError("a bug in the step")
+
+    with pytest.raises(RuntimeError, match="a bug in the step"):
+        find_optimal_batch_size(model, batch, step_fn=failing_step, device=device, max_batch_size=8)
+    assert device.record_timeline is True
+
+
+def test_the_result_is_a_sentence_and_a_json_ready_dict():
+    result = optimal(max_batch_size=16)
+    document = json.loads(json.dumps(result.to_dict()))
+    assert document["batch_size"] == result.batch_size and len(document["points"]) == len(result.points)
+    assert result.summary().startswith(f"Use batch size {result.batch_size}:") and result.summary().count(". ") <= 1
+
+
+def test_the_old_warmup_steps_keyword_still_works_for_one_release_and_warns():
+    model, batch, _, clock = timed_workload()
+    calls: dict[int, int] = {}
+
+    def counting_step(model, batch):
+        calls[batch.shape[0]] = calls.get(batch.shape[0], 0) + 1
+        clock.now += ALPHA + BETA * batch.shape[0]
+        return model(batch).mean()
+
+    with pytest.warns(DeprecationWarning, match="timing_warmup_steps"):
+        find_optimal_batch_size(
+            model,
+            batch,
+            step_fn=counting_step,
+            device="sim:64MiB",
+            clock=clock,
+            max_batch_size=4,
+            warmup_steps=3,
+            timed_steps=2,
+        )
+    assert set(calls.values()) == {5}  # the old keyword still sets the untimed steps: 3 + 2 per size

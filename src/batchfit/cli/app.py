@@ -38,6 +38,7 @@ from batchfit.cli.workloads import load_workload
 from batchfit.devices.resolve import resolve_device
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
+from batchfit.search.backend import backend_for
 from batchfit.search.runner import device_for
 from batchfit.search.runner import search_workload
 from batchfit.search.strategies import STRATEGIES
@@ -115,7 +116,7 @@ def find(
 
 def _search_live(work: Any, dev: Any, done: list[Trial], quiet: bool, **settings: Any) -> Any:
     capacity = dev.capacity_bytes()
-    traces = settings["trace"] and settings["strategy"] == "auto" and getattr(work, "framework", "torch") == "torch"
+    traces = settings["trace"] and settings["strategy"] == "auto" and backend_for(work).can_trace(work)
     first = "Tracing the workload on fake tensors" if traces else "Starting"
     with console.status(first, spinner="dots") as status:
         if quiet:
@@ -187,7 +188,7 @@ def estimate(
     with console.status("Tracing", spinner="dots"), tracing():
         largest = search_workload(work, device=tracer, trace=False)
     at = batch_size if batch_size is not None else largest.batch_size
-    breakdown = estimate_workload(work, at, capacity=tracer.capacity_bytes())
+    breakdown = estimate_workload(work, at, device=tracer)
     if quiet:
         console.print(largest.batch_size)
     else:
@@ -237,7 +238,12 @@ def optimal(
     safety_fraction: Annotated[
         float | None, typer.Option(help="Stay below this share of the maximum, e.g. 0.8.")
     ] = None,
-    timed_steps: Annotated[int, typer.Option(help="Timed steps per batch size (after 2 warm-up steps).")] = 5,
+    timing_warmup_steps: Annotated[
+        int, typer.Option(help="Untimed warm-up steps per batch size, before the timed ones.")
+    ] = 2,
+    timed_steps: Annotated[
+        int, typer.Option(help="Timed steps per batch size (their median counts), after the warm-up steps.")
+    ] = 5,
     noise_scale: Annotated[
         float | None, typer.Option(help="B_simple (batchfit critical): also report the goodput-optimal batch (Pollux).")
     ] = None,
@@ -266,6 +272,7 @@ def optimal(
             max_batch_size=max_batch_size,
             tolerance=tolerance,
             safety_fraction=safety_fraction,
+            timing_warmup_steps=timing_warmup_steps,
             timed_steps=timed_steps,
             tokens_per_sample=seq_len,
         )
@@ -346,11 +353,16 @@ def plan(
     lr_scaling: Annotated[
         LrScaling, typer.Option(help="linear (Goyal 2017), sqrt (Adam; Malladi 2022) or none.")
     ] = LrScaling.linear,
-    warmup_epochs: Annotated[int | None, typer.Option(help="Warmup epochs (else suggested from the scale).")] = None,
+    warmup_epochs: Annotated[
+        int | None, typer.Option(help="Learning-rate warmup epochs (else suggested from the scale).")
+    ] = None,
+    warmup_steps: Annotated[
+        int | None, typer.Option(help="Learning-rate warmup in optimizer steps, instead of epochs.")
+    ] = None,
     dataset_size: Annotated[int | None, typer.Option(help="Samples per epoch, for steps per epoch.")] = None,
     epochs: Annotated[int | None, typer.Option(help="Epochs, for total steps.")] = None,
     goal: Annotated[
-        Goal | None, typer.Option(help="accuracy, speed or memory (seed 001's decision framework).")
+        Goal | None, typer.Option(help="accuracy, speed or memory: what the warnings and advice aim for.")
     ] = None,
     fine_tuning: Annotated[bool, typer.Option(help="Fine-tuning: small batch and learning rate.")] = False,
     model_family: Annotated[
@@ -384,6 +396,7 @@ def plan(
         base_batch_size=base_batch_size,
         lr_scaling=lr_scaling.value,
         warmup_epochs=warmup_epochs,
+        warmup_steps=warmup_steps,
         dataset_size=dataset_size,
         epochs=epochs,
         fine_tuning=fine_tuning,

@@ -1,6 +1,8 @@
-"""What the seeds know beyond arithmetic: reference batches, warnings, schedules, worker shares.
+"""What a plan knows beyond arithmetic: reference batches, starting ranges, regularisation hints,
+batch-size ramps and worker shares.
 
-Every piece of advice names its source; nothing here changes a plan by itself.
+Every piece of advice says where it comes from (a paper, or a rule of thumb); nothing here changes a
+plan by itself.
 """
 
 from __future__ import annotations
@@ -8,11 +10,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Typical global batches (seed 003; ImageNet from Goyal et al. 2017): unit, size, and a learning rate where known.
+# Typical global batches (common small-scale settings; LLaMA from Touvron et al. 2023, ImageNet from
+# Goyal et al. 2017): unit, size, and a learning rate where known.
 REFERENCE_BATCHES: dict[str, dict[str, object]] = {
-    "gpt2": {"unit": "tokens", "global_batch": 32_768, "range": "32K-64K tokens", "source": "seed 003 (GPT-2 124M)"},
-    "bert": {"unit": "tokens", "global_batch": 262_144, "range": "256K tokens", "source": "seed 003 (BERT 110M)"},
-    "llama": {"unit": "tokens", "global_batch": 4_194_304, "range": "4M tokens", "source": "seed 003 (LLaMA 7B)"},
+    "gpt2": {"unit": "tokens", "global_batch": 32_768, "range": "32K-64K tokens", "source": "a typical GPT-2 124M run"},
+    "bert": {
+        "unit": "tokens",
+        "global_batch": 262_144,
+        "range": "256K tokens",
+        "source": "a typical BERT-base (110M) run",
+    },
+    "llama": {
+        "unit": "tokens",
+        "global_batch": 4_194_304,
+        "range": "4M tokens",
+        "source": "Touvron et al. 2023 (LLaMA 7B)",
+    },
     "resnet50-imagenet": {
         "unit": "samples",
         "global_batch": 256,
@@ -31,7 +44,7 @@ def reference(family: str) -> dict[str, object]:
 
 
 def starting_range(capacity_gib: float) -> tuple[int, int]:
-    """Seed 001's decision tree, step 1: a starting batch range by device memory."""
+    """A rule of thumb for where to start: a batch range by device memory (GiB), to be measured from there."""
     if capacity_gib < 8:
         return 16, 32
     if capacity_gib < 16:
@@ -42,23 +55,26 @@ def starting_range(capacity_gib: float) -> tuple[int, int]:
 
 
 def regularization_advice(scale: float, weight_decay: float | None = None) -> list[str]:
-    """Seed 001 pattern 8, as heuristics: never applied, only reported."""
+    """Regularisation hints for a batch ``scale`` times the tuned one, as heuristics: never applied, only reported.
+
+    A larger batch adds less gradient noise, which regularises less; label smoothing, dropout and a
+    weight decay scaled by the square root of the batch ratio make up some of it."""
     if scale <= 1:
         return []
-    advice = [
-        f"batch {scale:g}x the tuned one: consider label smoothing (0.1) and keeping dropout (seed 001, pattern 8; heuristic)"
-    ]
+    advice = [f"batch {scale:g}x the tuned one: consider label smoothing (0.1) and keeping dropout (a heuristic)"]
     if weight_decay is not None:
         advice.insert(
             0,
-            f"weight decay {weight_decay:g} -> {weight_decay * math.sqrt(scale):.3g} (scaled by sqrt of the batch ratio; seed 001, pattern 8; heuristic)",
+            f"weight decay {weight_decay:g} -> {weight_decay * math.sqrt(scale):.3g} (scaled by sqrt of the batch ratio; a heuristic)",
         )
     return advice
 
 
 def workload_distribution(throughput: dict[str, float], global_batch: int) -> dict[str, dict[str, float]]:
-    """Seed 004's hardware calibration: shares proportional to measured throughput, and each
-    worker's whole number of samples (largest remainder, so they sum to ``global_batch``)."""
+    """Hardware calibration for workers of different speeds: shares proportional to measured
+    throughput, and each worker's whole number of samples (largest remainder, so they sum to
+    ``global_batch``); the ``hardware_calibration`` block of a training coordinator's batch
+    configuration."""
     if not throughput or any(value <= 0 for value in throughput.values()):
         raise ValueError("worker throughput must be positive samples/s for every worker, e.g. {'worker-0': 850.0}")
     total = sum(throughput.values())
@@ -95,7 +111,8 @@ def batch_schedule(
     lr_scaling: str = "linear",
     unit: int = 1,
 ) -> list[Stage]:
-    """Seed 001 pattern 7: ramp the global batch from ``start`` to ``maximum`` over ``epochs``,
+    """A batch-size ramp (Smith et al. 2018, "Don't Decay the Learning Rate, Increase the Batch
+    Size"): ramp the global batch from ``start`` to ``maximum`` over ``epochs``,
     realised by the accumulation steps (rounded to whole micro-batches), with the learning rate
     following ``lr_scaling`` at every stage. ``unit`` converts samples to the unit
     ``base_batch_size`` is in (the sequence length when it counts tokens)."""

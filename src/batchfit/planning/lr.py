@@ -25,7 +25,9 @@ def scale_learning_rate(base_lr: float, scale: float, rule: str) -> float:
 
 
 def warmup_need(scale: float) -> str:
-    """Seed 001's table: no warmup at 2x the tuned batch, optional at 4x, required at 8x, critical at 16x+."""
+    """How much a batch ``scale`` times the tuned one needs warmup, as a rule of thumb after Goyal et al.
+    2017 (who warm up over 5 epochs at 32x): none up to 2x, optional up to 4x, required below 16x,
+    critical from 16x."""
     if scale <= 2:
         return "none"
     if scale <= 4:

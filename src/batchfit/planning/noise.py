@@ -75,6 +75,7 @@ class NoiseScale:
         ]
 
     def summary(self) -> str:
+        """One sentence: B_simple with its error, the critical batch range, and what it means."""
         low, high = self.critical_range
         return (
             f"Gradient noise scale B_simple = {self.b_simple:,.1f} ± {self.b_simple_stderr:,.1f} over {self.steps} steps "
@@ -83,6 +84,7 @@ class NoiseScale:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field (``critical_range`` as a list)."""
         return {
             "b_simple": self.b_simple,
             "b_simple_stderr": self.b_simple_stderr,
@@ -224,7 +226,16 @@ class Goodput:
     best_measured_batch_size: int
     optimal_batch_size: int
 
+    def summary(self) -> str:
+        """One sentence: where goodput is best, measured and on the fitted line."""
+        return (
+            f"With a gradient noise scale of {self.noise_scale:,.0f}, goodput (throughput x statistical efficiency, "
+            f"Pollux) is best at batch {self.best_measured_batch_size} of those measured; the fitted line "
+            f"peaks at {self.optimal_batch_size} (sqrt(B_simple x alpha / beta))."
+        )
+
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: the noise scale, the base batch, every point and both optima."""
         return {
             "noise_scale": self.noise_scale,
             "base_batch_size": self.base_batch_size,

@@ -1,11 +1,14 @@
 """BatchPlan: micro-batch, accumulation, devices, learning rate and warmup for a global batch.
 
-Pure arithmetic (seed 003: total = micro x seq_len x accumulation x devices); torch is imported
-only to read the world size or to build an LR scheduler, and only when asked.
+Pure arithmetic: the global batch is micro-batch x accumulation steps x devices samples, and
+micro x seq_len x accumulation x devices tokens. torch is imported only to read the world size or
+to build an LR scheduler, and only when asked. ``plan_batch`` computes every value first and
+builds the (frozen) plan once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict
 from dataclasses import dataclass
@@ -18,6 +21,13 @@ from batchfit.planning.advice import reference
 from batchfit.planning.advice import regularization_advice
 from batchfit.planning.advice import starting_range
 from batchfit.planning.advice import workload_distribution
+from batchfit.planning.config import GOALS
+from batchfit.planning.config import AdviceInputs
+from batchfit.planning.config import BatchTarget
+from batchfit.planning.config import LearningRateConfig
+from batchfit.planning.config import TrainingRun
+from batchfit.planning.config import merge
+from batchfit.planning.config import positive_int
 from batchfit.planning.lr import LR_RULES
 from batchfit.planning.lr import scale_learning_rate
 from batchfit.planning.lr import suggested_warmup_epochs
@@ -28,17 +38,16 @@ from batchfit.planning.noise import noise_scale_value
 from batchfit.planning.noise import tradeoff_advice
 from batchfit.planning.noise import tradeoff_at
 
-GOALS = ("accuracy", "speed", "memory")
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _optional_positive_int(name: str, value: Any) -> None:
-    if value is not None:
-        _positive_int(name, value)
+__all__ = [
+    "GOALS",
+    "AdviceInputs",
+    "BatchPlan",
+    "BatchTarget",
+    "LearningRateConfig",
+    "TrainingRun",
+    "plan_batch",
+    "world_size",
+]
 
 
 def world_size() -> int:
@@ -50,13 +59,21 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-@dataclass
+def steps_per_epoch(dataset_size: int | None, global_batch_size: int) -> int | None:
+    """Optimizer steps in one epoch (the last one may be partial), or ``None`` without a dataset size."""
+    return None if dataset_size is None else math.ceil(dataset_size / global_batch_size)
+
+
+@dataclass(frozen=True)
 class BatchPlan:
     """How to reach a global batch. Fields given in ``plan_batch``'s terms; the rest derived.
 
     ``global_batch_size`` is what one optimizer step really sees, in samples:
     ``micro_batch_size * gradient_accumulation_steps * devices``. ``target_samples`` is what was
     asked for; ``deviation`` is their relative difference (0 when ``exact``).
+
+    >>> BatchPlan(16, 8, 1, 128, seq_len=256).summary()
+    '16 per device x 8 accumulation steps x 1 device(s) = 128 samples (32,768 tokens) per optimizer step.'
     """
 
     micro_batch_size: int
@@ -83,7 +100,7 @@ class BatchPlan:
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "devices", "target_samples"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.lr_scaling not in LR_RULES:
             raise ValueError(f"lr_scaling must be one of {', '.join(LR_RULES)}, got {self.lr_scaling!r}")
 
@@ -105,7 +122,7 @@ class BatchPlan:
 
     @property
     def steps_per_epoch(self) -> int | None:
-        return None if self.dataset_size is None else math.ceil(self.dataset_size / self.global_batch_size)
+        return steps_per_epoch(self.dataset_size, self.global_batch_size)
 
     @property
     def total_steps(self) -> int | None:
@@ -124,8 +141,25 @@ class BatchPlan:
 
         return LambdaLR(optimizer, self.lr_lambda(schedule))
 
+    def summary(self) -> str:
+        """One sentence: the split of the global batch, and the learning rate and warmup when planned."""
+        tokens = f" ({self.global_batch_tokens:,} tokens)" if self.global_batch_tokens is not None else ""
+        off = "" if self.exact else f" ({self.deviation:+.1%} from the {self.target_samples} asked for)"
+        rate = f", learning rate {self.learning_rate:.4g}" if self.learning_rate is not None else ""
+        if self.warmup_steps is not None:
+            rate += f" with {self.warmup_steps} warmup steps"
+        elif self.warmup_epochs is not None:
+            rate += f" with {self.warmup_epochs} warmup epochs"
+        return (
+            f"{self.micro_batch_size} per device x {self.gradient_accumulation_steps} accumulation steps x "
+            f"{self.devices} device(s) = {self.global_batch_size} samples{tokens} per optimizer step{off}{rate}."
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        """Seed 004's ``batch_configuration`` (per_gpu_batch_size, total_batch_size, ...) and more."""
+        """A JSON-ready dict. Its ``batch_configuration`` opens with the keys of a training
+        coordinator's batch configuration (``per_gpu_batch_size``, ``total_batch_size``,
+        ``gradient_accumulation_steps``, ``learning_rate``, ``warmup_steps`` and/or
+        ``warmup_epochs``), then the rest of the plan; warnings, advice and the optional parts follow."""
         configuration: dict[str, Any] = {
             "per_gpu_batch_size": self.micro_batch_size,
             "total_batch_size": self.global_batch_size,
@@ -165,29 +199,58 @@ class BatchPlan:
         return document
 
 
-def _target_samples(
-    global_batch_size: int | None, global_batch_tokens: int | None, seq_len: int | None
-) -> tuple[int, list[str]]:
-    if (global_batch_size is None) == (global_batch_tokens is None):
+@dataclass(frozen=True)
+class _Shape:
+    """The split a plan settles on, and what follows from it, before the plan is built."""
+
+    micro: int
+    accumulation: int
+    devices: int
+    target: int
+    seq_len: int | None
+    in_tokens: bool
+    max_micro: int
+    dataset_size: int | None
+    epochs: int | None
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro * self.accumulation * self.devices
+
+    @property
+    def achieved(self) -> int:
+        """The global batch in the target's unit: tokens for a token target, else samples."""
+        return self.global_batch_size * self.seq_len if self.in_tokens else self.global_batch_size
+
+    @property
+    def total_steps(self) -> int | None:
+        per_epoch = steps_per_epoch(self.dataset_size, self.global_batch_size)
+        return None if per_epoch is None or self.epochs is None else per_epoch * self.epochs
+
+
+@dataclass(frozen=True)
+class _Rate:
+    """The learning rate and warmup a plan settles on, with the warnings that came with them."""
+
+    learning_rate: float | None = None
+    base_learning_rate: float | None = None
+    base_batch_size: int | None = None
+    warmup: str = "none"
+    warmup_epochs: int | None = None
+    warmup_steps: int | None = None
+    warnings: tuple[str, ...] = ()
+
+
+def _target_samples(target: BatchTarget) -> tuple[int, list[str]]:
+    if not target.given:
         raise ValueError("give exactly one target: global_batch_size (samples) or global_batch_tokens (with seq_len)")
-    if global_batch_size is not None:
-        _positive_int("global_batch_size", global_batch_size)
-        return global_batch_size, []
-    _positive_int("global_batch_tokens", global_batch_tokens)
-    if seq_len is None:
-        raise ValueError(
-            "global_batch_tokens needs seq_len (tokens per sample): total = micro x seq_len x accumulation x devices"
-        )
-    _positive_int("seq_len", seq_len)
-    samples = max(1, round(global_batch_tokens / seq_len))
-    notes = (
-        []
-        if samples * seq_len == global_batch_tokens
-        else [
-            f"{global_batch_tokens} tokens is not a whole number of {seq_len}-token samples: aiming at {samples} samples"
-        ]
-    )
-    return samples, notes
+    if target.global_batch_size is not None:
+        return target.global_batch_size, []
+    tokens, seq_len = target.global_batch_tokens, target.seq_len
+    samples = max(1, round(tokens / seq_len))
+    if samples * seq_len == tokens:
+        return samples, []
+    return samples, [f"{tokens} tokens is not a whole number of {seq_len}-token samples: aiming at {samples} samples"]
 
 
 def _split(target: int, devices: int, largest_micro: int) -> tuple[int, int, list[str]]:
@@ -256,6 +319,10 @@ def plan_batch(
     model_family: str | None = None,
     schedule_from: int | None = None,
     schedule_ramp: str = "linear",
+    target: BatchTarget | None = None,
+    lr: LearningRateConfig | None = None,
+    run: TrainingRun | None = None,
+    context: AdviceInputs | None = None,
 ) -> BatchPlan:
     """Plan micro-batch, accumulation, learning rate and warmup for a global batch.
 
@@ -264,188 +331,255 @@ def plan_batch(
     (samples, or tokens when the target is in tokens) and is scaled by ``lr_scaling``.
     ``model_family`` (``gpt2``, ``bert``, ``llama``, ``resnet50-imagenet``) supplies a typical
     target when none is given. ``schedule_from`` with ``epochs`` adds a batch-size ramp from that
-    global batch up to the target (seed 001 pattern 7), by accumulation steps.
+    global batch up to the target, by accumulation steps (Smith et al. 2018, "Don't Decay the
+    Learning Rate, Increase the Batch Size").
     ``global_batch_size="critical"`` with ``noise_scale`` (a ``NoiseScale`` from
     ``measure_noise_scale``, or B_simple as a number) plans the critical batch (McCandlish et al.
     2018); with any target, a noise scale adds the steps and samples the plan's batch costs
     relative to their minimum (``plan.critical``).
 
+    The keywords come in four groups, each also accepted as one checked, frozen object (then leave
+    that group's keywords out): ``target=BatchTarget(...)`` (global_batch_size,
+    global_batch_tokens, seq_len, devices), ``lr=LearningRateConfig(...)`` (base_lr,
+    base_batch_size, lr_scaling, warmup_epochs, warmup_steps), ``run=TrainingRun(...)``
+    (dataset_size, epochs, schedule_from, schedule_ramp) and ``context=AdviceInputs(...)``
+    (has_batchnorm, fine_tuning, goal, capacity_gib, weight_decay, model_family,
+    worker_throughput, measured_optimal).
+
     >>> plan = plan_batch(micro_batch_size=16, global_batch_tokens=32768, seq_len=256)
     >>> plan.gradient_accumulation_steps, plan.global_batch_tokens
     (8, 32768)
+    >>> plan_batch(micro_batch_size=16, target=BatchTarget(global_batch_tokens=32768, seq_len=256)) == plan
+    True
     """
-    _positive_int("micro_batch_size", micro_batch_size)
-    _optional_positive_int("dataset_size", dataset_size)
-    _optional_positive_int("epochs", epochs)
-    devices = world_size() if devices is None else devices
-    _positive_int("devices", devices)
-    if goal is not None and goal not in GOALS:
-        raise ValueError(f"goal must be one of {', '.join(GOALS)}, got {goal!r}")
-    if model_family is not None and global_batch_size is None and global_batch_tokens is None:
-        family = reference(model_family)
-        if family["unit"] == "tokens":
-            global_batch_tokens = int(family["global_batch"])
-        else:
-            global_batch_size = int(family["global_batch"])
-            if base_lr is None and base_batch_size is None and "learning_rate" in family:
-                base_lr, base_batch_size = float(family["learning_rate"]), int(family["global_batch"])
+    positive_int("micro_batch_size", micro_batch_size)
+    run = merge("run", run, TrainingRun(dataset_size, epochs, schedule_from, schedule_ramp))
+    target = merge("target", target, BatchTarget(global_batch_size, global_batch_tokens, seq_len, devices))
+    context = merge(
+        "context",
+        context,
+        AdviceInputs(
+            has_batchnorm,
+            fine_tuning,
+            goal,
+            capacity_gib,
+            weight_decay,
+            model_family,
+            worker_throughput,
+            measured_optimal,
+        ),
+    )
+    lr = merge("lr", lr, LearningRateConfig(base_lr, base_batch_size, lr_scaling, warmup_epochs, warmup_steps))
+    return _build(micro_batch_size, target, lr, run, context, noise_scale)
+
+
+def _build(
+    micro_batch_size: int,
+    target: BatchTarget,
+    lr: LearningRateConfig,
+    run: TrainingRun,
+    context: AdviceInputs,
+    noise_scale: Any,
+) -> BatchPlan:
+    """Every value of the plan, computed from the checked inputs, then the plan built once."""
+    devices = world_size() if target.devices is None else target.devices
+    target, lr = _with_family(target, lr, context.model_family)
     phi = noise_scale_value(noise_scale)
-    critical_notes: list[str] = []
-    if global_batch_size == "critical":
-        if phi is None:
-            raise ValueError("global_batch_size='critical' needs noise_scale: measure_noise_scale(...) or B_simple")
-        global_batch_size, critical_notes = critical_target(phi, micro_batch_size, devices)
-    target, notes = _target_samples(global_batch_size, global_batch_tokens, seq_len)
-    notes += critical_notes
-    micro, accumulation, split_notes = _split(target, devices, micro_batch_size)
-    plan = BatchPlan(
+    samples, notes = _resolve_target(target, phi, micro_batch_size, devices)
+    micro, accumulation, split_notes = _split(samples, devices, micro_batch_size)
+    shape = _Shape(
         micro,
         accumulation,
         devices,
-        target,
-        seq_len,
-        lr_scaling=lr_scaling,
-        dataset_size=dataset_size,
-        epochs=epochs,
+        samples,
+        target.seq_len,
+        target.global_batch_tokens is not None,
+        micro_batch_size,
+        run.dataset_size,
+        run.epochs,
+    )
+    rate = _learning_rate(lr, shape)
+    critical = tradeoff_at(phi, shape.global_batch_size) if phi is not None else None
+    calibration = context.worker_throughput
+    return BatchPlan(
+        micro,
+        accumulation,
+        devices,
+        samples,
+        target.seq_len,
+        learning_rate=rate.learning_rate,
+        base_learning_rate=rate.base_learning_rate,
+        base_batch_size=rate.base_batch_size,
+        lr_scaling=lr.lr_scaling,
+        warmup_epochs=rate.warmup_epochs,
+        warmup_steps=rate.warmup_steps,
+        warmup=rate.warmup,
+        dataset_size=run.dataset_size,
+        epochs=run.epochs,
         max_micro_batch_size=micro_batch_size,
-        warnings=notes + split_notes,
-        target_in_tokens=global_batch_tokens is not None,
+        warnings=notes + split_notes + list(rate.warnings) + _warnings(shape, context),
+        advice=([tradeoff_advice(critical)] if critical else []) + _advice(shape, context, rate.base_batch_size),
+        hardware_calibration=(
+            workload_distribution(dict(calibration), shape.global_batch_size) if calibration is not None else None
+        ),
+        schedule=_schedule(shape, run, lr),
+        target_in_tokens=shape.in_tokens,
+        critical=critical,
     )
-    _learning_rate(plan, base_lr, base_batch_size, global_batch_tokens is not None, warmup_epochs, warmup_steps)
-    if phi is not None:
-        plan.critical = tradeoff_at(phi, plan.global_batch_size)
-        plan.advice.append(tradeoff_advice(plan.critical))
-    plan.warnings += _warnings(plan, has_batchnorm, fine_tuning, goal, measured_optimal)
-    plan.advice += _advice(plan, goal, fine_tuning, capacity_gib, weight_decay)
-    if worker_throughput is not None:
-        plan.hardware_calibration = workload_distribution(worker_throughput, plan.global_batch_size)
-    if schedule_from is not None:
-        if epochs is None:
-            raise ValueError(
-                "a batch-size schedule needs epochs: the ramp runs from schedule_from to the target over them"
-            )
-        plan.schedule = batch_schedule(
-            schedule_from,
-            plan.global_batch_size,
-            epochs,
-            micro_batch_size=plan.micro_batch_size,
-            devices=devices,
-            ramp=schedule_ramp,
-            base_lr=base_lr,
-            base_batch_size=base_batch_size,
-            lr_scaling=lr_scaling,
-            unit=seq_len if plan.target_in_tokens else 1,
+
+
+def _with_family(
+    target: BatchTarget, lr: LearningRateConfig, model_family: str | None
+) -> tuple[BatchTarget, LearningRateConfig]:
+    """A model family's typical target (and its learning rate, where known) when no target is given."""
+    if model_family is None or target.given:
+        return target, lr
+    family = reference(model_family)
+    if family["unit"] == "tokens":
+        return dataclasses.replace(target, global_batch_tokens=int(family["global_batch"])), lr
+    target = dataclasses.replace(target, global_batch_size=int(family["global_batch"]))
+    if lr.base_lr is None and lr.base_batch_size is None and "learning_rate" in family:
+        lr = dataclasses.replace(
+            lr, base_lr=float(family["learning_rate"]), base_batch_size=int(family["global_batch"])
         )
-    return plan
+    return target, lr
 
 
-def _learning_rate(
-    plan: BatchPlan,
-    base_lr: float | None,
-    base_batch_size: int | None,
-    in_tokens: bool,
-    warmup_epochs: int | None,
-    warmup_steps: int | None,
-) -> None:
-    valid_lr = (
-        isinstance(base_lr, (int, float)) and not isinstance(base_lr, bool) and math.isfinite(base_lr) and base_lr > 0
+def _resolve_target(
+    target: BatchTarget, phi: float | None, micro_batch_size: int, devices: int
+) -> tuple[int, list[str]]:
+    """The target in samples, with notes; ``"critical"`` becomes the batch nearest the noise scale."""
+    if target.global_batch_size != "critical":
+        return _target_samples(target)
+    if phi is None:
+        raise ValueError("global_batch_size='critical' needs noise_scale: measure_noise_scale(...) or B_simple")
+    samples, critical_notes = critical_target(phi, micro_batch_size, devices)
+    return samples, critical_notes
+
+
+def _schedule(shape: _Shape, run: TrainingRun, lr: LearningRateConfig) -> list[Stage] | None:
+    if run.schedule_from is None:
+        return None
+    return batch_schedule(
+        run.schedule_from,
+        shape.global_batch_size,
+        run.epochs,
+        micro_batch_size=shape.micro,
+        devices=shape.devices,
+        ramp=run.schedule_ramp,
+        base_lr=lr.base_lr,
+        base_batch_size=lr.base_batch_size,
+        lr_scaling=lr.lr_scaling,
+        unit=shape.seq_len if shape.in_tokens else 1,
     )
-    if base_lr is not None and not valid_lr:
-        raise ValueError(f"base_lr must be a positive, finite number, got {base_lr!r}")
-    if (base_lr is None) != (base_batch_size is None):
-        raise ValueError("give base_lr and base_batch_size together: the learning rate and the batch it was tuned at")
-    if (warmup_epochs is not None and warmup_epochs < 0) or (warmup_steps is not None and warmup_steps < 0):
-        raise ValueError("warmup_epochs and warmup_steps cannot be negative")
-    plan.warmup_epochs, plan.warmup_steps = warmup_epochs, warmup_steps
-    if base_lr is not None:
-        _scale(plan, base_lr, base_batch_size, in_tokens, suggest=warmup_epochs is None and warmup_steps is None)
-    _warmup_steps(plan)
 
 
-def _scale(plan: BatchPlan, base_lr: float, base_batch_size: int, in_tokens: bool, suggest: bool) -> None:
-    _positive_int("base_batch_size", base_batch_size)
-    achieved = plan.global_batch_tokens if in_tokens else plan.global_batch_size
-    scale = achieved / base_batch_size
-    plan.base_learning_rate, plan.base_batch_size = base_lr, base_batch_size
-    plan.learning_rate = scale_learning_rate(base_lr, scale, plan.lr_scaling)
-    plan.warmup = warmup_need(scale)
-    if suggest:
-        plan.warmup_epochs = suggested_warmup_epochs(scale)
-        if plan.epochs is not None and plan.warmup_epochs >= plan.epochs:
-            plan.warnings.append(
-                f"the suggested {plan.warmup_epochs} warmup epochs do not fit a {plan.epochs}-epoch run: "
-                f"warming up over {plan.epochs - 1} instead; consider a smaller batch"
-            )
-            plan.warmup_epochs = plan.epochs - 1
-    if plan.lr_scaling == "none" and scale >= 2:
-        plan.warnings.append(
-            f"the learning rate is not scaled although the batch is {scale:g}x the tuned one (seed 001)"
+def _learning_rate(lr: LearningRateConfig, shape: _Shape) -> _Rate:
+    """The scaled learning rate (with ``base_lr``), the warmup it calls for, and warmup in steps."""
+    if lr.base_lr is None:
+        rate = _Rate(warmup_epochs=lr.warmup_epochs, warmup_steps=lr.warmup_steps)
+        return dataclasses.replace(rate, warmup_steps=_warmup_steps(rate, shape))
+    scale = shape.achieved / lr.base_batch_size
+    need = warmup_need(scale)
+    warmup_epochs, warnings = _warmup_epochs(lr, scale, shape.epochs)
+    if lr.lr_scaling == "none" and scale >= 2:
+        warnings.append(
+            f"the learning rate is not scaled although the batch is {scale:g}x the tuned one "
+            "(Goyal et al. 2017 scale it linearly with the batch)"
         )
-    if plan.warmup in ("required", "critical") and plan.warmup_epochs == 0:
-        plan.warnings.append(f"warmup is {plan.warmup} at {scale:g}x the tuned batch (seed 001), but none is planned")
+    if need in ("required", "critical") and warmup_epochs == 0:
+        warnings.append(
+            f"warmup is {need} at {scale:g}x the tuned batch (a large batch diverges early without it; "
+            "Goyal et al. 2017), but none is planned"
+        )
+    rate = _Rate(
+        scale_learning_rate(lr.base_lr, scale, lr.lr_scaling),
+        lr.base_lr,
+        lr.base_batch_size,
+        need,
+        warmup_epochs,
+        lr.warmup_steps,
+        tuple(warnings),
+    )
+    return dataclasses.replace(rate, warmup_steps=_warmup_steps(rate, shape))
 
 
-def _warmup_steps(plan: BatchPlan) -> None:
+def _warmup_epochs(lr: LearningRateConfig, scale: float, epochs: int | None) -> tuple[int | None, list[str]]:
+    """The warmup epochs given, or (when no warmup is given) suggested from the scale and cut to fit the run."""
+    if lr.warmup_epochs is not None or lr.warmup_steps is not None:
+        return lr.warmup_epochs, []
+    suggested = suggested_warmup_epochs(scale)
+    if epochs is None or suggested < epochs:
+        return suggested, []
+    return epochs - 1, [
+        f"the suggested {suggested} warmup epochs do not fit a {epochs}-epoch run: "
+        f"warming up over {epochs - 1} instead; consider a smaller batch"
+    ]
+
+
+def _warmup_steps(rate: _Rate, shape: _Shape) -> int | None:
     """Warmup epochs in optimizer steps, once steps per epoch are known (with or without an LR)."""
-    if plan.warmup_steps is None and plan.warmup_epochs is not None and plan.steps_per_epoch is not None:
-        plan.warmup_steps = plan.warmup_epochs * plan.steps_per_epoch
-    if plan.warmup_steps is not None and plan.total_steps is not None and plan.warmup_steps > plan.total_steps:
-        raise ValueError(
-            f"warmup ({plan.warmup_steps} steps) is longer than the run ({plan.total_steps} steps): shorten it"
-        )
+    steps = rate.warmup_steps
+    per_epoch = steps_per_epoch(shape.dataset_size, shape.global_batch_size)
+    if steps is None and rate.warmup_epochs is not None and per_epoch is not None:
+        steps = rate.warmup_epochs * per_epoch
+    total = shape.total_steps
+    if steps is not None and total is not None and steps > total:
+        raise ValueError(f"warmup ({steps} steps) is longer than the run ({total} steps): shorten it")
+    return steps
 
 
-def _warnings(
-    plan: BatchPlan, has_batchnorm: bool, fine_tuning: bool, goal: str | None, measured_optimal: bool
-) -> list[str]:
+def _warnings(shape: _Shape, context: AdviceInputs) -> list[str]:
     warnings = []
-    steps = plan.gradient_accumulation_steps
+    steps, global_batch = shape.accumulation, shape.global_batch_size
     if steps > 16:
         warnings.append(
-            f"{steps} accumulation steps: every optimizer step runs {steps} micro-batches in sequence (seed 001); more devices would be faster"
+            f"{steps} accumulation steps: every optimizer step runs {steps} micro-batches in sequence; "
+            "more devices would be faster"
         )
     if steps > 64:
-        warnings.append(f"{steps} accumulation steps is outside the 2-64 range seed 003 calls typical")
-    if has_batchnorm and steps > 1:
+        warnings.append(f"{steps} accumulation steps is outside the 2-64 range that is typical")
+    if context.has_batchnorm and steps > 1:
         warnings.append(
-            f"BatchNorm with accumulation: statistics come from each micro-batch of {plan.micro_batch_size}, "
+            f"BatchNorm with accumulation: statistics come from each micro-batch of {shape.micro}, "
             "not the global batch; use SyncBatchNorm, GroupNorm or LayerNorm"
         )
-    if fine_tuning and plan.global_batch_size > 64:
+    if context.fine_tuning and global_batch > 64:
         warnings.append(
-            f"a global batch of {plan.global_batch_size} for fine-tuning: seed 001 suggests 16-32 and a learning rate 10-100x below pre-training"
+            f"a global batch of {global_batch} for fine-tuning: 16-32 is usual, with a learning rate "
+            "10-100x below pre-training"
         )
-    if goal == "accuracy" and plan.global_batch_size > 256:
+    if context.goal == "accuracy" and global_batch > 256:
         warnings.append(
-            f"goal 'accuracy' with a global batch of {plan.global_batch_size}: seed 001 suggests 32-128 and validating accuracy"
+            f"goal 'accuracy' with a global batch of {global_batch}: 32-128 usually generalises better "
+            "(Keskar et al. 2017); validate accuracy"
         )
-    if plan.micro_batch_size == plan.max_micro_batch_size and not measured_optimal and steps == 1:
+    if shape.micro == shape.max_micro and not context.measured_optimal and steps == 1:
         warnings.append(
-            '"just use the maximum that fits" is a red flag in seed 001: measure throughput (batchfit optimal) and validate accuracy'
+            '"just use the maximum that fits" is a red flag: the largest batch is rarely the fastest to '
+            "a given accuracy; measure throughput (batchfit optimal) and validate accuracy"
         )
     return warnings
 
 
-def _advice(
-    plan: BatchPlan, goal: str | None, fine_tuning: bool, capacity_gib: float | None, weight_decay: float | None
-) -> list[str]:
+def _advice(shape: _Shape, context: AdviceInputs, base_batch_size: int | None) -> list[str]:
     advice = []
-    if capacity_gib is not None:
-        low, high = starting_range(capacity_gib)
-        advice.append(f"with {capacity_gib:g} GiB, seed 001's decision tree starts at a batch of {low}-{high}")
-    if goal == "speed":
+    if context.capacity_gib is not None:
+        low, high = starting_range(context.capacity_gib)
         advice.append(
-            "goal 'speed': a larger batch (256-1024) with LR scaling and warmup; validate accuracy (seed 001)"
+            f"with {context.capacity_gib:g} GiB of device memory, a search usually starts at a batch of {low}-{high}"
         )
-    elif goal == "memory":
+    if context.goal == "speed":
+        advice.append("goal 'speed': a larger batch (256-1024) with LR scaling and warmup; validate accuracy")
+    elif context.goal == "memory":
         advice.append(
-            "goal 'memory': keep the micro-batch small and reach the global batch by accumulation; AMP and checkpointing help (seed 001)"
+            "goal 'memory': keep the micro-batch small and reach the global batch by accumulation; "
+            "AMP and checkpointing help"
         )
-    if fine_tuning:
+    if context.fine_tuning:
         advice.append(
-            "fine-tuning: a small batch (16-32) and a learning rate 10-100x below pre-training preserve what was learned (seed 001)"
+            "fine-tuning: a small batch (16-32) and a learning rate 10-100x below pre-training preserve what was learned"
         )
-    if plan.base_batch_size:
-        achieved = plan.global_batch_tokens if plan.target_in_tokens else plan.global_batch_size
-        advice += regularization_advice(achieved / plan.base_batch_size, weight_decay)
+    if base_batch_size:
+        advice += regularization_advice(shape.achieved / base_batch_size, context.weight_decay)
     return advice

@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from dataclasses import dataclass
 from dataclasses import field
@@ -24,10 +27,13 @@ import torch
 from batchfit.devices.resolve import resolve_device
 from batchfit.devices.units import format_bytes
 from batchfit.errors import NoBatchFitsError
+from batchfit.search.cached import CacheSpec
 from batchfit.search.prober import Prober
 from batchfit.search.runner import DeviceSpec
 from batchfit.search.runner import search_workload
 from batchfit.search.runner import usable_bytes
+from batchfit.search.settings import SearchSettings
+from batchfit.search.strategies import Strategy
 from batchfit.step.workload import Workload
 
 
@@ -66,9 +72,11 @@ class ThroughputResult:
         return fraction / (1 - fraction) * self.alpha_seconds / self.beta_seconds_per_sample
 
     def point(self, batch_size: int) -> ThroughputPoint:
+        """The point measured at ``batch_size`` (``StopIteration`` if it was not measured)."""
         return next(p for p in self.points if p.batch_size == batch_size)
 
     def summary(self) -> str:
+        """One sentence: the batch to use, its throughput against the best, and the memory it saves."""
         chosen, best = self.point(self.batch_size), self.point(self.best_batch_size)
         saved = (
             f", {format_bytes(self.memory_saved_bytes)} less memory than the maximum" if self.memory_saved_bytes else ""
@@ -80,6 +88,7 @@ class ThroughputResult:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: the choice, the fit and its knees, the notes and every point."""
         return {
             "batch_size": self.batch_size,
             "best_batch_size": self.best_batch_size,
@@ -96,9 +105,14 @@ class ThroughputResult:
         }
 
 
-def _grid(top: int) -> list[int]:
+def _grid(low: int, top: int) -> list[int]:
+    """``low``, the powers of two between ``low`` and ``top``, and ``top``.
+
+    >>> _grid(1, 12), _grid(3, 20)
+    ([1, 2, 4, 8, 12], [3, 4, 8, 16, 20])
+    """
     sizes = [1 << k for k in range(int(math.log2(top)) + 1)]
-    return sorted({*sizes, top})
+    return sorted({low, *(b for b in sizes if b >= low), top})
 
 
 def _fit_line(points: list[ThroughputPoint]) -> tuple[float, float]:
@@ -113,8 +127,10 @@ def _fit_line(points: list[ThroughputPoint]) -> tuple[float, float]:
 class _Meter:
     """Times a workload at one batch size after another, state restored after each."""
 
-    def __init__(self, prober: Prober, warmup_steps: int, tokens_per_sample: int | None, dataset_size: int | None):
-        self.prober, self.warmup_steps = prober, warmup_steps
+    def __init__(
+        self, prober: Prober, timing_warmup_steps: int, tokens_per_sample: int | None, dataset_size: int | None
+    ):
+        self.prober, self.timing_warmup_steps = prober, timing_warmup_steps
         self.tokens_per_sample, self.dataset_size = tokens_per_sample, dataset_size
         self.points: dict[int, ThroughputPoint] = {}
 
@@ -123,7 +139,7 @@ class _Meter:
             trial = self.prober.probe(batch_size)
             if not trial.fits:
                 return None
-            seconds = statistics.median(trial.step_seconds[self.warmup_steps :])
+            seconds = statistics.median(trial.step_seconds[self.timing_warmup_steps :])
             rate = batch_size / seconds if seconds > 0 else math.inf
             tokens = rate * self.tokens_per_sample if self.tokens_per_sample else None
             epoch = math.ceil(self.dataset_size / batch_size) * seconds if self.dataset_size else None
@@ -177,10 +193,13 @@ def find_optimal_batch_size(
     optimizer: Any = None,
     amp_dtype: torch.dtype | str | None = None,
     device: DeviceSpec = None,
+    min_batch_size: int = 1,
     max_batch_size: int | None = None,
+    strategy: str | Strategy = "auto",
+    margin: int | float | str = 0,
     tolerance: float = 0.05,
     safety_fraction: float | None = None,
-    warmup_steps: int = 2,
+    timing_warmup_steps: int = 2,
     timed_steps: int = 5,
     refine_rounds: int = 3,
     tokens_per_sample: int | None = None,
@@ -188,25 +207,53 @@ def find_optimal_batch_size(
     time_budget_seconds: float | None = None,
     mode: str = "train",
     step_fn: Callable | None = None,
+    trace: bool = True,
+    cache: CacheSpec = False,
     clock: Callable[[], float] = time.perf_counter,
+    warmup_steps: int | None = None,
 ) -> ThroughputResult:
     """The throughput-optimal batch: the smallest within ``tolerance`` of the best samples/s.
 
-    ``max_batch_size`` (else found with ``find_max_batch_size``) bounds the grid;
-    ``safety_fraction`` (e.g. 0.8, seed 001) keeps it below that share of the maximum.
-    ``tokens_per_sample`` adds tokens/s. With ``dataset_size`` and ``time_budget_seconds``, the
-    choice is the smallest batch whose projected epoch time fits the budget.
+    ``max_batch_size`` (else found first, as ``find_max_batch_size`` would with the same
+    ``min_batch_size``, ``strategy``, ``margin``, ``trace`` and ``cache``) bounds the grid, which
+    starts at ``min_batch_size``; ``margin`` is also kept free while timing. ``safety_fraction``
+    (e.g. 0.8, headroom for longer sequences or evaluation) keeps the grid below that share of the
+    maximum. Each size runs ``timing_warmup_steps`` untimed steps, then ``timed_steps`` timed ones
+    (their median counts). ``tokens_per_sample`` adds tokens/s. With ``dataset_size`` and
+    ``time_budget_seconds``, the choice is the smallest batch whose projected epoch time fits the
+    budget. The device passed in is left exactly as it was. ``warmup_steps`` is the old name of
+    ``timing_warmup_steps`` (deprecated: it read as the learning-rate warmup of ``plan_batch``).
+
+    >>> model = torch.nn.Linear(8, 1)
+    >>> result = find_optimal_batch_size(model, torch.randn(2, 8), step_fn=lambda m, b: m(b).mean(),
+    ...                                  device="sim:1MiB", max_batch_size=8, timed_steps=1)
+    >>> result.max_batch_size, 1 <= result.batch_size <= 8
+    (8, True)
     """
+    if warmup_steps is not None:
+        warnings.warn(
+            "find_optimal_batch_size(warmup_steps=) is now timing_warmup_steps=", DeprecationWarning, stacklevel=2
+        )
+        timing_warmup_steps = warmup_steps
     workload = Workload(
         model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
     )
+    check_maximum(max_batch_size)
+    settings = SearchSettings(
+        min_batch_size=min_batch_size,
+        max_batch_size=max_batch_size,
+        strategy=strategy,
+        margin=margin,
+        trace=trace,
+        cache=cache,
+    )
     return optimal_for_workload(
         workload,
+        settings,
         device=device,
-        max_batch_size=max_batch_size,
         tolerance=tolerance,
         safety_fraction=safety_fraction,
-        warmup_steps=warmup_steps,
+        timing_warmup_steps=timing_warmup_steps,
         timed_steps=timed_steps,
         refine_rounds=refine_rounds,
         tokens_per_sample=tokens_per_sample,
@@ -216,10 +263,18 @@ def find_optimal_batch_size(
     )
 
 
+def check_maximum(max_batch_size: Any) -> None:
+    """A ``ValueError`` unless ``max_batch_size`` is ``None`` or a positive integer."""
+    if max_batch_size is not None and (
+        not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1
+    ):
+        raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+
+
 def _check(
     tolerance: float,
     safety_fraction: float | None,
-    warmup_steps: int,
+    timing_warmup_steps: int,
     timed_steps: int,
     dataset_size: int | None,
     time_budget_seconds: float | None,
@@ -228,47 +283,79 @@ def _check(
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance=}")
     if safety_fraction is not None and not 0 < safety_fraction <= 1:
         raise ValueError(f"safety_fraction must be in (0, 1], got {safety_fraction=}")
-    if warmup_steps < 0 or timed_steps < 1:
-        raise ValueError(f"need warmup_steps >= 0 and timed_steps >= 1, got {warmup_steps=}, {timed_steps=}")
+    if timing_warmup_steps < 0 or timed_steps < 1:
+        raise ValueError(
+            f"need timing_warmup_steps >= 0 and timed_steps >= 1, got {timing_warmup_steps=}, {timed_steps=}"
+        )
     if time_budget_seconds is not None and dataset_size is None:
         raise ValueError("a time budget needs dataset_size (samples per epoch) to project epoch times")
 
 
+@contextmanager
+def _timeline_off(device: Any) -> Iterator[None]:
+    """A device that records a per-op timeline (CUDA) stops while steps are timed, since reading
+    the allocator after every op would be timed too; it records again afterwards, as before."""
+    recording = getattr(device, "record_timeline", None)
+    if not recording:
+        yield
+        return
+    device.record_timeline = False
+    try:
+        yield
+    finally:
+        device.record_timeline = recording
+
+
 def optimal_for_workload(
     workload: Workload,
+    settings: SearchSettings | None = None,
     *,
     device: DeviceSpec = None,
-    max_batch_size: int | None = None,
     tolerance: float = 0.05,
     safety_fraction: float | None = None,
-    warmup_steps: int = 2,
+    timing_warmup_steps: int = 2,
     timed_steps: int = 5,
     refine_rounds: int = 3,
     tokens_per_sample: int | None = None,
     dataset_size: int | None = None,
     time_budget_seconds: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    **options: Any,
 ) -> ThroughputResult:
-    """``find_optimal_batch_size`` for a ``Workload``."""
-    _check(tolerance, safety_fraction, warmup_steps, timed_steps, dataset_size, time_budget_seconds)
-    if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
-        raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+    """``find_optimal_batch_size`` for a ``Workload``: ``settings`` (a ``SearchSettings``) and
+    ``options`` (any of its fields, by keyword) say how the maximum is searched and what is kept
+    free, as in ``search_workload``."""
+    _check(tolerance, safety_fraction, timing_warmup_steps, timed_steps, dataset_size, time_budget_seconds)
+    check_maximum(options.get("max_batch_size"))
+    s = SearchSettings.of(settings, **options)
     dev = resolve_device(device, workload.model)
-    maximum = max_batch_size or search_workload(workload, device=dev).batch_size
-    top = max(1, math.floor(maximum * safety_fraction)) if safety_fraction else maximum
-    _capacity, limit = usable_bytes(dev, 0)
-    if getattr(dev, "record_timeline", False):
-        dev.record_timeline = False  # a per-op read of the allocator would be timed too
-    with Prober(dev.prepare(workload), dev, steps=warmup_steps + timed_steps, limit_bytes=limit, clock=clock) as prober:
-        meter = _Meter(prober, warmup_steps, tokens_per_sample, dataset_size)
-        for size in _grid(top):
+    maximum = s.max_batch_size or search_workload(workload, s, device=dev).batch_size
+    top = max(s.min_batch_size, math.floor(maximum * safety_fraction)) if safety_fraction else maximum
+    _capacity, limit = usable_bytes(dev, s.margin)
+    steps = timing_warmup_steps + timed_steps
+    with _timeline_off(dev), Prober(dev.prepare(workload), dev, steps=steps, limit_bytes=limit, clock=clock) as prober:
+        meter = _Meter(prober, timing_warmup_steps, tokens_per_sample, dataset_size)
+        for size in _grid(s.min_batch_size, top):
             if meter.measure(size) is None:
                 break
         if not meter.points:
             raise NoBatchFitsError(
-                f"even batch size 1 does not fit on {dev.name} while timing steps: free memory or lower the model's", []
+                f"even batch size {s.min_batch_size} does not fit on {dev.name} while timing steps: "
+                "free memory or lower the model's",
+                [],
             )
         _refine(meter, tolerance, refine_rounds)
+    return _result(meter, tolerance, time_budget_seconds, maximum, top, safety_fraction)
+
+
+def _result(
+    meter: _Meter,
+    tolerance: float,
+    time_budget_seconds: float | None,
+    maximum: int,
+    top: int,
+    safety_fraction: float | None,
+) -> ThroughputResult:
     chosen, reason, notes = _choose(meter, tolerance, time_budget_seconds)
     points = sorted(meter.points.values(), key=lambda p: p.batch_size)
     best = max(points, key=lambda p: p.samples_per_second).batch_size
