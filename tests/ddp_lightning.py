@@ -41,8 +41,8 @@ def main() -> None:
     fitter.callbacks.append(callback)
     fitter.fit(module)
     report = {
-        "batch_size": callback.result.batch_size,
-        "largest": (callback.result.one_step or callback.result.search).batch_size,
+        "batch_size": callback.result.micro_batch_size,
+        "largest": callback.result.one_step_search.batch_size,
         "accumulate": fitter.accumulate_grad_batches,
         "rows_seen": module.rows_seen,
         "rank0_alone": alone(CAPACITIES[0]),

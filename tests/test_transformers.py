@@ -5,6 +5,7 @@ one asked for, and nothing else about the trainer changes."""
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from transformers import default_data_collator
 from transformers.utils import logging as hf_logging
 
 import batchfit as bf
+from batchfit.integrations.result import FitResult
 from batchfit.integrations.transformers import BatchFitCallback
 from batchfit.integrations.transformers import TrainerFit
 from batchfit.integrations.transformers import _outputs_in_fp32  # the one private helper tested directly
@@ -193,33 +195,33 @@ def test_the_sizes_set_are_the_librarys_answers_and_the_trainer_trains_and_evalu
     # The global batch does not fit at once, so the micro-batch is measured as an accumulation
     # micro-step: with the gradients alive during the forward pass, it is smaller (see the end).
     assert fit.one_step_search.batch_size == expected["plain"].batch_size < GLOBAL
-    assert fit.train_search.batch_size == expected["accumulating"].batch_size < expected["plain"].batch_size
-    assert fit.per_device_train_batch_size <= fit.train_search.batch_size
-    assert fit.per_device_eval_batch_size == expected["eval"].batch_size >= fit.train_search.batch_size
+    assert fit.search.batch_size == expected["accumulating"].batch_size < expected["plain"].batch_size
+    assert fit.micro_batch_size <= fit.search.batch_size
+    assert fit.eval_batch_size == expected["eval"].batch_size >= fit.search.batch_size
     args = trainer.args
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (
-        fit.per_device_train_batch_size,
+        fit.micro_batch_size,
         fit.gradient_accumulation_steps,
     )
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps * fit.world_size == GLOBAL
     assert trainer.get_total_train_batch_size(args) == GLOBAL  # transformers' own arithmetic agrees
-    assert args.per_device_eval_batch_size == fit.per_device_eval_batch_size
+    assert args.per_device_eval_batch_size == fit.eval_batch_size
 
     collator = trainer.data_collator
     collator.sizes.clear()
     with caplog.at_level(logging.INFO, logger="batchfit"):
         output = in_capacity(trainer, capacity, trainer.train)
     assert output.global_step == 3
-    assert set(collator.sizes) == {fit.per_device_train_batch_size}
+    assert set(collator.sizes) == {fit.micro_batch_size}
     assert len(collator.sizes) >= 3 * fit.gradient_accumulation_steps
     collator.sizes.clear()
     metrics = in_capacity(trainer, capacity, trainer.evaluate)  # the optimizer's state is alive here
-    assert max(collator.sizes) == fit.per_device_eval_batch_size and torch.isfinite(torch.tensor(metrics["eval_loss"]))
+    assert max(collator.sizes) == fit.eval_batch_size and torch.isfinite(torch.tensor(metrics["eval_loss"]))
 
     # The callback fit_trainer added logged the plan when training began.
     entry = next(e["batchfit"] for e in trainer.state.log_history if "batchfit" in e)
     assert entry["plan"]["batch_configuration"]["total_batch_size"] == GLOBAL
-    assert entry["per_device_train_batch_size"] == fit.per_device_train_batch_size
+    assert entry["micro_batch_size"] == entry["settings"]["per_device_train_batch_size"] == fit.micro_batch_size
     assert any(f'"total_batch_size": {GLOBAL}' in record.getMessage() for record in caplog.records)
 
     # Why: the one-step answer trains alone, but runs out of memory on an accumulation window's
@@ -288,8 +290,8 @@ def test_a_users_optimizer_is_the_one_probed_and_is_left_as_it_was(tmp_path):
 def test_the_train_search_stops_at_the_per_device_share_of_the_global_batch(tmp_path):
     trainer = make_trainer(tmp_path, per_device=2, accumulation=1, eval_rows=0)
     fit = fit_trainer(trainer, global_batch_size=6, device=bf.SimulatedDevice("1GiB"), steps=1, **QUICK)
-    assert max(t.batch_size for t in fit.train_search.trials) == 6
-    assert (fit.per_device_train_batch_size, fit.gradient_accumulation_steps) == (6, 1)
+    assert max(t.batch_size for t in fit.search.trials) == 6
+    assert (fit.micro_batch_size, fit.gradient_accumulation_steps) == (6, 1)
 
 
 def test_a_global_batch_that_cannot_be_split_exactly_is_an_error_or_a_stated_approximation(tmp_path):
@@ -300,6 +302,36 @@ def test_a_global_batch_that_cannot_be_split_exactly_is_an_error_or_a_stated_app
     with pytest.warns(UserWarning, match="the closest is 60"):
         fit = cheap_fit(trainer, global_batch_size=61, allow_inexact=True)
     assert fit.global_batch_size == trainer.get_total_train_batch_size(trainer.args) == 60
+
+
+def test_an_inexact_global_batch_is_treated_as_in_the_lightning_integration(tmp_path):
+    """The same error, warning and result as test_lightning.py's twin: 61 samples in micro-batches
+    of at most 4 on one device is no exact split; with allow_inexact=True it is plan_batch's closest."""
+    trainer = make_trainer(tmp_path, eval_rows=0)
+    with pytest.raises(ValueError, match=r"global batch of 61 cannot be split exactly .* allow_inexact=True"):
+        cheap_fit(trainer, global_batch_size=61)
+    with pytest.warns(UserWarning, match=r"the closest is 60 \(4 x 15 x 1\)"):
+        fit = cheap_fit(trainer, global_batch_size=61, allow_inexact=True)
+    assert fit.plan == bf.plan_batch(micro_batch_size=4, global_batch_size=61, devices=1)
+    assert (fit.global_batch_size, fit.requested_global_batch_size, fit.exact_global_batch) == (60, 61, False)
+    assert (fit.micro_batch_size, fit.gradient_accumulation_steps) == (4, 15)
+    assert trainer.get_total_train_batch_size(trainer.args) == 60
+
+
+def test_the_fit_speaks_the_shared_vocabulary_and_the_old_names_still_read(tmp_path):
+    fit = cheap_fit(make_trainer(tmp_path, per_device=2, accumulation=4))
+    assert isinstance(fit, FitResult) and fit.exact_global_batch and fit.accumulating
+    record = json.loads(json.dumps(fit.to_dict()))
+    assert (record["micro_batch_size"], record["gradient_accumulation_steps"], record["eval_batch_size"]) == (4, 2, 4)
+    assert record["global_batch_size"] == record["requested_global_batch_size"] == 8
+    assert record["settings"] == fit.settings()
+    assert fit.summary().startswith("micro-batch 4 per device x 2 accumulation steps x 1 device = global batch 8")
+    with pytest.deprecated_call(match="use micro_batch_size"):
+        assert fit.per_device_train_batch_size == 4
+    with pytest.deprecated_call(match="use eval_batch_size"):
+        assert fit.per_device_eval_batch_size == 4
+    with pytest.deprecated_call(match="use search"):
+        assert fit.train_search is fit.search
 
 
 @pytest.mark.parametrize("bad", [0, -8, 2.5, True, "64"])
@@ -353,7 +385,7 @@ def test_model_arguments_and_dataset_without_a_trainer(tmp_path):
     )
     assert torch.equal(torch.get_rng_state(), rng_before)  # the Trainer it built seeded the RNG: undone
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 4)
-    assert args.per_device_eval_batch_size == fit.per_device_eval_batch_size == 4
+    assert args.per_device_eval_batch_size == fit.eval_batch_size == 4
 
 
 def test_the_callback_warns_when_the_arguments_were_changed_after_the_fit(tmp_path, caplog):

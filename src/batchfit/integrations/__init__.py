@@ -2,5 +2,7 @@
 
 ``batchfit.integrations.lightning`` (``pip install 'batchfit[lightning]'``),
 ``batchfit.integrations.transformers`` (``[transformers]``) and ``batchfit.integrations.mlx``
-(``[mlx]``). ``import batchfit`` imports none of them.
+(``[mlx]``). ``import batchfit`` imports none of them. ``batchfit.integrations.result`` holds what
+the Lightning and Transformers integrations share, with no framework import: ``FitResult`` (the
+same field names for what both set) and ``search_and_plan`` (one treatment of the global batch).
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
 from collections.abc import Iterator
 from collections.abc import Mapping
 from typing import Any
@@ -24,15 +25,18 @@ import torch
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.utilities.model_helpers import is_overridden
+    from lightning.pytorch.utilities.parsing import lightning_getattr
     from lightning.pytorch.utilities.parsing import lightning_hasattr
     from lightning.pytorch.utilities.parsing import lightning_setattr
 except ImportError as error:  # pragma: no cover - exercised only where lightning is missing
     raise ImportError("batchfit's Lightning integration needs Lightning: pip install 'batchfit[lightning]'") from error
 
+from batchfit.integrations.result import FitResult
+from batchfit.integrations.result import deprecated_alias
+from batchfit.integrations.result import search_and_plan
 from batchfit.planning.plan import BatchPlan
-from batchfit.planning.plan import plan_batch
 from batchfit.search.result import SearchResult
-from batchfit.search.runner import search_workload
+from batchfit.search.settings import SearchSettings
 from batchfit.step.batching import batch_ceiling
 from batchfit.step.workload import Workload
 
@@ -45,36 +49,41 @@ PRECISION_AMP = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 LOOP_HEADROOM = "2MiB"
 
 
-@dataclasses.dataclass
-class BatchFitResult:
-    """What ``BatchFit`` set: the micro-batch per device, the accumulation, and how it was found.
+@dataclasses.dataclass(frozen=True)
+class BatchFitResult(FitResult):
+    """What ``BatchFit`` set: a ``FitResult`` (the same fields as the Transformers integration's),
+    with the numbers it logs.
 
-    ``search`` found the micro-batch the plan used. With accumulation it measured a window's later
-    micro-batch, whose forward runs with the gradients alive, and ``one_step`` holds the search of
-    a plain step, whose answer is larger.
+    ``micro_batch_size`` went to ``batch_arg_name`` and ``gradient_accumulation_steps`` to the
+    trainer's ``accumulate_grad_batches``; ``settings()`` names both as Lightning does. With
+    accumulation, ``search`` measured a window's later micro-batch, whose forward runs with the
+    gradients alive, and ``one_step_search`` the plain step, whose answer is larger. The old names
+    ``batch_size``, ``accumulate_grad_batches`` and ``one_step`` still read, with a
+    ``DeprecationWarning``, for one release.
     """
 
-    batch_size: int
-    accumulate_grad_batches: int
-    world_size: int
-    search: SearchResult
-    plan: BatchPlan | None = None
-    one_step: SearchResult | None = None
+    batch_size = deprecated_alias("batch_size", "micro_batch_size")
+    accumulate_grad_batches = deprecated_alias("accumulate_grad_batches", "gradient_accumulation_steps")
 
     @property
-    def global_batch_size(self) -> int:
-        """Samples per optimizer step over all devices: micro-batch x accumulation x world size."""
-        return self.batch_size * self.accumulate_grad_batches * self.world_size
+    def one_step(self) -> SearchResult | None:
+        """Deprecated: ``one_step_search`` (this was ``None`` without accumulation)."""
+        warnings.warn("one_step is deprecated: use one_step_search", DeprecationWarning, stacklevel=2)
+        return self.one_step_search if self.accumulating else None
 
     def metrics(self) -> dict[str, float]:
-        """The numbers logged to the trainer's loggers, under ``batchfit/``."""
+        """The numbers logged to the trainer's loggers, under ``batchfit/``, named as in ``to_dict()``
+        (``batch_size`` and ``accumulate_grad_batches`` too, for one release)."""
         found = {
-            "batch_size": self.batch_size,
-            "accumulate_grad_batches": self.accumulate_grad_batches,
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "global_batch_size": self.global_batch_size,
+            "exact_global_batch": self.exact_global_batch,
             "max_batch_size": self.search.batch_size,
             "trials": len(self.search.trials),
             "search_seconds": self.search.seconds,
+            "batch_size": self.micro_batch_size,
+            "accumulate_grad_batches": self.gradient_accumulation_steps,
         }
         if self.search.peak_bytes is not None:
             found["peak_bytes"] = self.search.peak_bytes
@@ -89,10 +98,14 @@ class BatchFit(pl.Callback):
     ``train_dataloader()``), sets ``batch_arg_name`` on the module, its ``hparams`` or the
     datamodule (as ``BatchSizeFinder`` does), and, with ``global_batch_size``, sets the trainer's
     ``accumulate_grad_batches`` so that micro-batch x accumulation x world size is that batch.
+    A global batch that cannot be split exactly is a ``ValueError`` unless ``allow_inexact=True``
+    (then the closest split, with a warning), as in ``fit_trainer``.
     ``device`` (a batchfit Device such as ``SimulatedDevice("2GiB")``) overrides where trials run;
-    ``margin`` keeps room for the loop's own tensors (``LOOP_HEADROOM``); the other keywords are
-    ``batchfit.search_workload``'s. ``early_exit=True`` stops ``fit`` after setting,
-    as ``fit_batch_size`` does. The outcome is in ``.result`` and on every logger as ``batchfit/*``.
+    ``margin`` keeps room for the loop's own tensors (``LOOP_HEADROOM``); ``search_options``
+    (``strategy``, ``min_batch_size``, ``max_batch_size``, ``steps``, ``max_trials``, ``trace``, ...)
+    are ``SearchSettings`` fields, checked here. ``early_exit=True`` stops ``fit`` after setting,
+    as ``fit_batch_size`` does. The outcome, a ``BatchFitResult``, is in ``.result`` and on every
+    logger as ``batchfit/*``.
 
     >>> BatchFit(batch_arg_name="batch_size", global_batch_size=512).global_batch_size
     512
@@ -104,28 +117,21 @@ class BatchFit(pl.Callback):
         batch_arg_name: str = "batch_size",
         global_batch_size: int | None = None,
         device: Any = None,
-        strategy: str = "auto",
-        min_batch_size: int = 1,
-        max_batch_size: int | None = None,
         margin: int | float | str = LOOP_HEADROOM,
-        steps: int = 2,
-        max_trials: int | None = None,
+        allow_inexact: bool = False,
         early_exit: bool = False,
+        **search_options: Any,
     ) -> None:
-        if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
+        if global_batch_size is not None and (
+            not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size < 1
+        ):
             raise ValueError(f"global_batch_size must be a positive integer or None, got {global_batch_size!r}")
         self.batch_arg_name = batch_arg_name
         self.global_batch_size = global_batch_size
+        self.device = device
+        self.settings = SearchSettings(margin=margin, **search_options)
+        self.allow_inexact = allow_inexact
         self.early_exit = early_exit
-        self.options = {
-            "device": device,
-            "strategy": strategy,
-            "min_batch_size": min_batch_size,
-            "max_batch_size": max_batch_size,
-            "margin": margin,
-            "steps": steps,
-            "max_trials": max_trials,
-        }
         self.result: BatchFitResult | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -144,29 +150,43 @@ class BatchFit(pl.Callback):
             )
         loader = train_dataloader(trainer, pl_module)
         workload = lightning_workload(trainer, pl_module, next(iter(loader)))
-        ceiling = batch_ceiling(getattr(loader, "dataset", None), trainer.world_size, self.options["max_batch_size"])
-        found = search_workload(workload, **{**self.options, "max_batch_size": ceiling})
-        result = self._settle(found, trainer.world_size)
-        if result.accumulate_grad_batches > 1:  # later micro-batches of a window run with the gradients alive
-            held = search_workload(
-                dataclasses.replace(workload, accumulating=True), **{**self.options, "max_batch_size": found.batch_size}
-            )
-            result = dataclasses.replace(self._settle(held, trainer.world_size), one_step=found)
-        lightning_setattr(pl_module, self.batch_arg_name, result.batch_size)
-        trainer.accumulate_grad_batches = result.accumulate_grad_batches
+        ceiling = batch_ceiling(getattr(loader, "dataset", None), trainer.world_size, self.settings.max_batch_size)
+        found, one_step, plan = search_and_plan(
+            workload,
+            self.settings.replace(max_batch_size=ceiling),
+            device=self.device,
+            global_batch_size=self.global_batch_size,
+            world_size=trainer.world_size,
+            allow_inexact=self.allow_inexact,
+        )
+        result = self._result(trainer, pl_module, found, one_step, plan)
+        lightning_setattr(pl_module, self.batch_arg_name, result.micro_batch_size)
+        trainer.accumulate_grad_batches = result.gradient_accumulation_steps
         _reload_train_data(trainer)
         _report(trainer, result)
         return result
 
-    def _settle(self, found: SearchResult, world_size: int) -> BatchFitResult:
-        if self.global_batch_size is None:
-            return BatchFitResult(found.batch_size, 1, world_size, found)
-        plan = plan_batch(
-            micro_batch_size=found.batch_size, global_batch_size=self.global_batch_size, devices=world_size
+    def _result(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        found: SearchResult,
+        one_step: SearchResult,
+        plan: BatchPlan | None,
+    ) -> BatchFitResult:
+        """What to set: the plan's split (no global batch asked for: the size found, no accumulation)."""
+        split = (found.batch_size, 1) if plan is None else (plan.micro_batch_size, plan.gradient_accumulation_steps)
+        before = (lightning_getattr(pl_module, self.batch_arg_name), trainer.accumulate_grad_batches)
+        names = (self.batch_arg_name, "accumulate_grad_batches")
+        return BatchFitResult(
+            *split,
+            trainer.world_size,
+            found,
+            one_step,
+            plan=plan,
+            applied=dict(zip(names, split, strict=True)),
+            previous=dict(zip(names, before, strict=True)),
         )
-        for warning in plan.warnings:
-            logger.warning("batchfit: %s", warning)
-        return BatchFitResult(plan.micro_batch_size, plan.gradient_accumulation_steps, world_size, found, plan)
 
 
 def fit_batch_size(
@@ -269,15 +289,9 @@ def _reload_train_data(trainer: pl.Trainer) -> None:
 
 
 def _report(trainer: pl.Trainer, result: BatchFitResult) -> None:
-    found = result.search
-    logger.info(
-        "batchfit: micro-batch %d per device (largest that fits: %d, %d trials), accumulate %d, global %d",
-        result.batch_size,
-        found.batch_size,
-        len(found.trials),
-        result.accumulate_grad_batches,
-        result.global_batch_size,
-    )
+    logger.info("batchfit: %s", result.summary())
+    for warning in [] if result.plan is None else result.plan.warnings:
+        logger.warning("batchfit: %s", warning)
     for each in trainer.loggers:
         each.log_metrics(result.metrics(), step=trainer.global_step)
 

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import logging
 import math
-import warnings
 from collections.abc import Iterator
 from collections.abc import Mapping
 from typing import Any
@@ -35,11 +34,14 @@ except ImportError as error:  # pragma: no cover - exercised only where transfor
         "batchfit's Transformers integration needs transformers and accelerate: pip install 'batchfit[transformers]'"
     ) from error
 
+from batchfit.integrations.result import FitResult
+from batchfit.integrations.result import deprecated_alias
+from batchfit.integrations.result import search_and_plan
 from batchfit.planning.plan import BatchPlan
-from batchfit.planning.plan import plan_batch
 from batchfit.search.result import SearchResult
 from batchfit.search.runner import DeviceSpec
 from batchfit.search.runner import search_workload
+from batchfit.search.settings import SearchSettings
 from batchfit.step.batching import batch_ceiling
 from batchfit.step.batching import pad_sequences
 from batchfit.step.state import StateSnapshot
@@ -63,48 +65,23 @@ logger = logging.getLogger("batchfit")
 SETTINGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size")
 
 
-@dataclasses.dataclass
-class TrainerFit:
-    """What ``fit_trainer`` found and set on ``TrainingArguments``.
+@dataclasses.dataclass(frozen=True)
+class TrainerFit(FitResult):
+    """What ``fit_trainer`` found and set on ``TrainingArguments``: a ``FitResult`` (the same fields
+    as the Lightning integration's).
 
-    ``plan`` splits the global batch. ``train_search`` found the micro-batch the plan may use:
-    it is ``one_step_search`` when a device's share of the global batch fits at once, else a search
-    of an accumulation micro-step (the window's gradients alive during the forward pass), which is
-    smaller. ``eval_search`` (``None`` without an eval dataset) found the eval batch; ``previous``
-    holds the three settings as they were.
+    ``micro_batch_size`` went to ``per_device_train_batch_size``, ``gradient_accumulation_steps``
+    to the field of that name and ``eval_batch_size`` (``None`` without an eval dataset) to
+    ``per_device_eval_batch_size``; ``settings()`` names them as ``TrainingArguments`` does and
+    ``previous`` holds the three as they were. ``search`` found the micro-batch the plan uses: it
+    is ``one_step_search`` when the plan does not accumulate, else a search of an accumulation
+    micro-step (the window's gradients alive during the forward pass), which is smaller. The old names ``per_device_train_batch_size``, ``per_device_eval_batch_size`` and
+    ``train_search`` still read, with a ``DeprecationWarning``, for one release.
     """
 
-    plan: BatchPlan
-    train_search: SearchResult
-    one_step_search: SearchResult
-    eval_search: SearchResult | None
-    previous: dict[str, int]
-
-    @property
-    def per_device_train_batch_size(self) -> int:
-        return self.plan.micro_batch_size
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.plan.gradient_accumulation_steps
-
-    @property
-    def per_device_eval_batch_size(self) -> int | None:
-        return None if self.eval_search is None else self.eval_search.batch_size
-
-    @property
-    def world_size(self) -> int:
-        """Data-parallel devices (see ``data_parallel_size``)."""
-        return self.plan.devices
-
-    @property
-    def global_batch_size(self) -> int:
-        """Samples per optimizer step over all devices: per-device x accumulation x world size."""
-        return self.plan.global_batch_size
-
-    def settings(self) -> dict[str, int]:
-        """The ``TrainingArguments`` fields the fit sets (the eval one only when it was searched)."""
-        return {name: getattr(self, name) for name in SETTINGS if getattr(self, name) is not None}
+    per_device_train_batch_size = deprecated_alias("per_device_train_batch_size", "micro_batch_size")
+    per_device_eval_batch_size = deprecated_alias("per_device_eval_batch_size", "eval_batch_size")
+    train_search = deprecated_alias("train_search", "search")
 
     def differences(self, args: TrainingArguments) -> dict[str, tuple[int, int]]:
         """``{field: (planned, actual)}`` for each setting ``args`` no longer matches."""
@@ -113,35 +90,6 @@ class TrainerFit:
             for name, value in self.settings().items()
             if getattr(args, name) != value
         }
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the settings, the global batch, the previous settings, the plan and the searches."""
-        searches = {
-            "train_search": self.train_search,
-            "one_step_search": self.one_step_search,
-            "eval_search": self.eval_search,
-        }
-        return {
-            **self.settings(),
-            "world_size": self.world_size,
-            "global_batch_size": self.global_batch_size,
-            "previous": dict(self.previous),
-            "plan": self.plan.to_dict(),
-            **{name: _summary(result) for name, result in searches.items()},
-        }
-
-
-def _summary(result: SearchResult | None) -> dict[str, Any] | None:
-    if result is None:
-        return None
-    return {
-        "batch_size": result.batch_size,
-        "trials": len(result.trials),
-        "device": result.device,
-        "peak_bytes": result.peak_bytes,
-        "capacity_bytes": result.capacity_bytes,
-        "seconds": result.seconds,
-    }
 
 
 # -- the Trainer's step as a Workload --------------------------------------------------------------
@@ -324,25 +272,13 @@ def _trainer_left_as_found(trainer: Trainer) -> Iterator[None]:
             trainer._eval_dataloaders = saved
 
 
-def _train_searches(
-    train: Workload, ceiling: int, share: int, options: dict[str, Any]
-) -> tuple[SearchResult, SearchResult]:
-    """The micro-batch search the plan uses and the one-step search: the same when the device's
-    share of the global batch fits at once, else the first measures an accumulation micro-step."""
-    one_step = search_workload(train, max_batch_size=ceiling, **options)
-    if one_step.batch_size >= share:
-        return one_step, one_step
-    accumulating = dataclasses.replace(train, accumulating=True)  # the window's gradients alive in the forward
-    return search_workload(accumulating, max_batch_size=one_step.batch_size, **options), one_step
-
-
 def _eval_search(
     trainer: Trainer,
     optimizer: torch.optim.Optimizer,
     devices: int,
-    max_batch_size: int | None,
+    settings: SearchSettings,
+    device: DeviceSpec,
     longest_seq_len: int | None,
-    options: dict[str, Any],
 ) -> SearchResult:
     """The eval-mode search (of each eval dataset of a dict: the smallest answer), with the
     optimizer's training state held; no larger than a device's share of the eval set."""
@@ -352,27 +288,9 @@ def _eval_search(
         for name in names:
             dataset = trainer.eval_dataset if name is None else trainer.eval_dataset[name]
             workload = _eval_workload(trainer, name, optimizer, longest_seq_len)
-            results.append(
-                search_workload(workload, max_batch_size=batch_ceiling(dataset, devices, max_batch_size), **options)
-            )
+            ceiling = batch_ceiling(dataset, devices, settings.max_batch_size)
+            results.append(search_workload(workload, settings.replace(max_batch_size=ceiling), device=device))
     return min(results, key=lambda result: result.batch_size)
-
-
-def _planned(found: SearchResult, target: int, devices: int, allow_inexact: bool) -> BatchPlan:
-    plan = plan_batch(micro_batch_size=found.batch_size, global_batch_size=target, devices=devices)
-    if plan.exact:
-        return plan
-    message = (
-        f"a global batch of {target} cannot be split exactly into micro-batches of at most {found.batch_size} "
-        f"on {devices} device(s): the closest is {plan.global_batch_size} ({plan.micro_batch_size} x "
-        f"{plan.gradient_accumulation_steps} x {devices})"
-    )
-    if not allow_inexact:
-        raise ValueError(
-            f"{message}; choose a global batch with a divisor near {found.batch_size} per device, or pass allow_inexact=True"
-        )
-    warnings.warn(message, stacklevel=3)
-    return plan
 
 
 def _apply(trainer: Trainer, fit: TrainerFit) -> None:
@@ -389,6 +307,22 @@ def _apply(trainer: Trainer, fit: TrainerFit) -> None:
             "batchfit: auto_find_batch_size=True halves per_device_train_batch_size after an OOM "
             "without raising gradient_accumulation_steps, which changes the global batch: set it to False"
         )
+
+
+def _trainer_fit(
+    args: TrainingArguments,
+    plan: BatchPlan,
+    found: SearchResult,
+    one_step: SearchResult,
+    evaluated: SearchResult | None,
+) -> TrainerFit:
+    """The fit: the plan's split and the eval batch, under ``TrainingArguments``' names too."""
+    split = (plan.micro_batch_size, plan.gradient_accumulation_steps)
+    applied = dict(zip(SETTINGS[:2], split, strict=True))
+    if evaluated is not None:
+        applied[SETTINGS[2]] = evaluated.batch_size
+    previous = {name: getattr(args, name) for name in SETTINGS}
+    return TrainerFit(*split, plan.devices, found, one_step, evaluated, plan, applied=applied, previous=previous)
 
 
 def fit_trainer(
@@ -410,38 +344,48 @@ def fit_trainer(
 
     ``global_batch_size`` defaults to the trainer's (per-device x accumulation x data-parallel
     size), so it is kept; one that cannot be split exactly is a ``ValueError`` unless
-    ``allow_inexact=True`` (then a warning). Trials run the Trainer's own step; when the global
+    ``allow_inexact=True`` (then ``plan_batch``'s closest split, with a ``UserWarning`` naming it),
+    as in the Lightning ``BatchFit``. Trials run the Trainer's own step; when the global
     batch needs accumulation, the micro-batch is measured with the window's gradients alive, as
     the Trainer runs it. The window's other micro-batches, which the Trainer keeps on the device,
     are not measured (small for tokens; a ``margin`` covers large inputs such as images). The eval
     search holds the optimizer's training state and measures one forward pass (predictions kept
     on the device for ``compute_metrics`` are not in it: ``eval_accumulation_steps`` moves them).
     The train search stops at a device's share of the global batch, the eval search at its share
-    of the eval set; ``max_batch_size`` lowers both. ``device``, ``margin`` and ``search_options``
-    (``strategy``, ``steps``, ``trace``, ...) are ``batchfit.search_workload``'s; ``longest_seq_len`` pads
+    of the eval set; ``max_batch_size`` lowers both. ``device`` is where trials run; ``margin`` and
+    ``search_options`` (``strategy``, ``min_batch_size``, ``steps``, ``trace``, ...) are ``SearchSettings``
+    fields, checked before any trial. The result is a ``TrainerFit``; ``longest_seq_len`` pads
     the sample to the longest sequence of the run. Ranks of a process group agree on one size.
     The model, optimizer state, RNG states and ``trainer.optimizer`` are left as they were; the
     learning rate is not changed. ``log_plan`` adds a ``BatchFitCallback`` (replacing an earlier one).
 
     >>> fit = fit_trainer(trainer, global_batch_size=256, device=batchfit.SimulatedDevice("16GiB"))   # doctest: +SKIP
-    >>> fit.per_device_train_batch_size * fit.gradient_accumulation_steps * fit.world_size   # doctest: +SKIP
+    >>> fit.micro_batch_size * fit.gradient_accumulation_steps * fit.world_size   # doctest: +SKIP
     256
     """
     _check(trainer, global_batch_size, max_batch_size)
+    settings = SearchSettings(margin=margin, max_batch_size=max_batch_size, **search_options)  # checked before any work
     devices = data_parallel_size(trainer)
     args = trainer.args
     target = global_batch_size or args.per_device_train_batch_size * args.gradient_accumulation_steps * devices
-    share, options = math.ceil(target / devices), {"device": device, "margin": margin, **search_options}
+    share = math.ceil(target / devices)
     with _trainer_left_as_found(trainer):
         train = train_workload(trainer, longest_seq_len=longest_seq_len)
-        found, one_step = _train_searches(train, min(share, max_batch_size or share), share, options)
+        found, one_step, plan = search_and_plan(
+            train,
+            settings.replace(max_batch_size=min(share, max_batch_size or share)),
+            device=device,
+            global_batch_size=target,
+            world_size=devices,
+            allow_inexact=allow_inexact,
+            stacklevel=3,  # the warning points at fit_trainer's caller
+        )
         evaluated = None
         if fit_eval and trainer.eval_dataset is not None:
-            evaluated = _eval_search(trainer, train.optimizer, devices, max_batch_size, longest_seq_len, options)
-    plan = _planned(found, target, devices, allow_inexact)
-    fit = TrainerFit(plan, found, one_step, evaluated, previous={name: getattr(args, name) for name in SETTINGS})
+            evaluated = _eval_search(trainer, train.optimizer, devices, settings, device, longest_seq_len)
+    fit = _trainer_fit(args, plan, found, one_step, evaluated)
     _apply(trainer, fit)
-    logger.info("batchfit: %s (was %s)", fit.settings(), fit.previous)
+    logger.info("batchfit: %s; set %s (was %s)", fit.summary(), fit.settings(), fit.previous)
     if log_plan:  # one callback, for the latest fit
         for earlier in [c for c in trainer.callback_handler.callbacks if isinstance(c, BatchFitCallback)]:
             trainer.remove_callback(earlier)
