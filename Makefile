@@ -22,8 +22,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/batchfit find gpt-tiny --plot batchfit-demo.png --json batchfit-demo.json
 
+# Lint, format and the import contract (tests/test_layout.py) run with the suite: everything CI runs.
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/python -m pytest src tests
 
 lint: $(STAMP)

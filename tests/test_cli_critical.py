@@ -58,7 +58,7 @@ def test_empirical_adds_seed_004s_runs(tmp_path):
     empirical = json.loads(out.read_text())["empirical"]
     assert [p["batch_size"] for p in empirical["points"]] == [8, 16, 32]
     assert [p["steps"] for p in empirical["points"]] == [32, 16, 8]
-    assert "Seed 004: validation loss after equal samples" in result.output
+    assert "Validation loss after equal samples" in result.output
 
 
 @pytest.mark.parametrize(

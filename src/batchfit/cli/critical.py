@@ -64,7 +64,7 @@ def critical(
     seed: Annotated[int, typer.Option(help="Seed of the draws.")] = 0,
     empirical: Annotated[
         bool,
-        typer.Option(help="Also seed 004's check: one short training run per batch size. Expensive by nature."),
+        typer.Option(help="Also the empirical check: one short training run per batch size. Expensive by nature."),
     ] = False,
     batch_sizes: Annotated[str, typer.Option(help="With --empirical: the sizes to train at.")] = "8,16,32,64,128",
     samples: Annotated[int, typer.Option(help="With --empirical: samples each run trains on.")] = 4096,
@@ -75,7 +75,7 @@ def critical(
     """Measure the gradient noise scale B_simple (McCandlish et al. 2018) and plan the critical batch.
 
     The batches are drawn from the workload's own sample (--population rows), with the parameters
-    fixed: the noise scale of that data at the model's current point. --empirical adds seed 004's
+    fixed: the noise scale of that data at the model's current point. --empirical adds the empirical
     check: a fresh model trained on --samples rows at each of --batch-sizes (the workload's learning
     rate scaled linearly from the smallest), validated on a held-out quarter of the rows. That
     costs one training run per size: expensive by nature.
@@ -163,7 +163,7 @@ def _empirical(spec: str, work: Any, population: int, seq_len: int | None, sizes
         slice_batch(work.sample_batch, 0, rows * 3 // 4),
         slice_batch(work.sample_batch, rows * 3 // 4, rows),
     )
-    with console.status("Training once per batch size (seed 004)", spinner="dots"):
+    with console.status("Training once per batch size", spinner="dots"):
         result = critical_batch_by_training(
             build,
             train,
@@ -174,7 +174,7 @@ def _empirical(spec: str, work: Any, population: int, seq_len: int | None, sizes
             loss_fn=work.loss_fn,
             step_fn=work.step_fn,
         )
-    table = Table(title="Seed 004: validation loss after equal samples", title_justify="left")
+    table = Table(title="Validation loss after equal samples", title_justify="left")
     for column in ("batch size", "learning rate", "steps", "validation loss"):
         table.add_column(column, justify="right")
     for point in result.points:

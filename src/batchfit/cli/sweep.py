@@ -1,4 +1,4 @@
-"""``batchfit sweep`` (seed 002's per-configuration search) and ``batchfit cache list|clear``."""
+"""``batchfit sweep`` (the per-configuration search) and ``batchfit cache list|clear``."""
 
 from __future__ import annotations
 
@@ -104,11 +104,13 @@ def sweep(
     grid: Annotated[list[str], typer.Option(help="A knob and its values, NAME=V1,V2,... (repeat per knob).")],
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps or sim:CAPACITY.")] = "auto",
     batch_size: Annotated[
-        int | None, typer.Option("--batch-size", "--max-batch-size", help="Upper limit, never exceeded (seed 002).")
+        int | None, typer.Option("--batch-size", "--max-batch-size", help="Upper limit, never exceeded.")
     ] = None,
     auto_adjust: Annotated[bool, typer.Option(help="Search each configuration; off: use --batch-size as is.")] = True,
     min_batch_size: Annotated[int, typer.Option(help="Smallest size to consider.")] = 1,
-    strategy: Annotated[str, typer.Option(help=f"One of: {', '.join(STRATEGIES)} (grow: seed 002's).")] = "auto",
+    strategy: Annotated[
+        str, typer.Option(help=f"One of: {', '.join(STRATEGIES)} (grow: estimate, x1.5 up, then bisect).")
+    ] = "auto",
     estimate: Annotated[str, typer.Option(help="Where the starting estimate comes from, in order.")] = ",".join(
         ESTIMATE_SOURCES
     ),
@@ -131,7 +133,7 @@ def sweep(
     cache_dir: CacheDir = None,
     debug: Debug = False,
 ) -> None:
-    """The largest batch of every configuration in a grid, each searched from an estimate (seed 002)."""
+    """The largest batch of every configuration in a grid, each searched from an estimate."""
     knobs = parse_grid(grid)
     fixed = {
         "seq_len": seq_len,

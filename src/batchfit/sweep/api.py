@@ -1,4 +1,4 @@
-"""sweep: the largest batch of every configuration in a grid (seed 002), each found from an estimate.
+"""sweep: the largest batch of every configuration in a grid, each found from an estimate.
 
 Each configuration is searched independently, under an upper limit (``max_batch_size``, seed
 002's ``--batch_size``: never exceeded), starting from an estimate taken, in order, from a
@@ -72,16 +72,16 @@ def sweep_grid(
     """The largest batch of every configuration of ``grid``: ``factory(**knobs)`` builds each one's
     ``Workload`` (any mode: ``train``, ``eval``, ``generate``).
 
-    ``max_batch_size`` is the upper limit (seed 002's ``--batch_size``); with ``auto_adjust=False``
+    ``max_batch_size`` is the upper limit (the CLI's ``--batch-size``); with ``auto_adjust=False``
     it is the one size used, checked once per configuration. The search starts from the first
     estimate that ``estimate`` names: ``"model"`` (fitted across the configurations measured so
     far), ``"trace"`` (fake tensors) or ``"rules"`` (``rules``: a ``ScaleRules``, a dict or a
-    .json/.toml file). ``strategy`` is ``auto`` (default) or a seed's, e.g. ``grow`` (x1.5 up,
+    .json/.toml file). ``strategy`` is ``auto`` (default) or another strategy, e.g. ``grow`` (x1.5 up,
     then bisect; at most 5 trials unless ``max_trials``). Records are written to ``results_path``
     after every configuration (atomically), and a re-run with the same path measures only what is
     missing. ``measure(knobs, batch_size, workload)`` runs the real measurement with the batch found;
     a dict it returns joins the record. ``cache`` (default on) answers configurations searched
-    before with zero trials. ``log`` receives seed 002's log lines (default: the ``batchfit`` logger).
+    before with zero trials. ``log`` receives one line per trial and configuration (default: the ``batchfit`` logger).
 
     >>> import batchfit as bf
     >>> from batchfit.cli.examples import gpt_tiny

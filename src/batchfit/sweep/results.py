@@ -1,4 +1,4 @@
-"""The sweep's results file in seed 002's shape, rewritten atomically after every configuration.
+"""The sweep's results file (``{"summary": [records], ...settings}``), rewritten atomically after every configuration.
 
 ``{"summary": [{"<knob>": value, ..., "batch_size_used": 63, "trials": [...], ...}], "device": ...,
 "settings": ..., "versions": ...}``. A crash loses at most the configuration that was running; a
@@ -27,7 +27,7 @@ def config_key(knobs: Mapping[str, Any]) -> str:
 class SweepFile:
     """The records of one sweep, by configuration, and where they are written (``path`` may be
     ``None``: nothing is written). ``header["knobs"]`` names the knobs; each record holds their
-    values at its top level, as in seed 002. Across ranks only the ``primary`` one writes, and
+    values at its top level. Across ranks only the ``primary`` one writes, and
     the others read the records without checking the header (their device names differ)."""
 
     def __init__(self, path: str | Path | None, header: dict[str, Any], *, primary: bool = True):
@@ -78,7 +78,7 @@ def describe(knobs: Mapping[str, Any]) -> str:
 
 @dataclass
 class SweepResult:
-    """Every configuration's record (seed 002's ``summary``), in grid order."""
+    """Every configuration's record (the file's ``summary``), in grid order."""
 
     records: list[dict[str, Any]]
     knobs: list[str]

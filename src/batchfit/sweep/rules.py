@@ -1,14 +1,14 @@
-"""Scale-factor rules (seed 002's tables): a starting batch from a base size and each knob's value.
+"""Scale-factor rules (a profiling sweep's tables): a starting batch from a base size and each knob's value.
 
 A rules file (JSON, or TOML on Python 3.11+) names a base batch and, per knob, either steps
 (``upto`` a value, that ``scale``; a last step without ``upto`` covers the rest) or a ratio
-(``ratio_of``: the knob divided by a total, as seed 002 does for active blocks)::
+(``ratio_of``: the knob divided by a total, as profiling sweeps do for active blocks)::
 
     {"base_batch_size": 64,
      "knobs": {"max_crops": [{"upto": 2, "scale": 1.0}, {"upto": 4, "scale": 0.8}, {"scale": 0.25}],
                "num_active_blocks": {"ratio_of": 24}}}
 
-The estimate is ``int(base * product of the scales)``, never above the base (seed 002).
+The estimate is ``int(base * product of the scales)``, never above the base.
 """
 
 from __future__ import annotations

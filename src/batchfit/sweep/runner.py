@@ -43,7 +43,7 @@ from batchfit.sweep.rules import ScaleRules
 logger = logging.getLogger("batchfit")
 
 ESTIMATE_SOURCES = ("model", "trace", "rules")
-SEED_GROW_MAX_TRIALS = 5  # seed 002: "Maximum attempts: 5"
+GROW_MAX_TRIALS = 5  # estimate-then-grow gives up after 5 attempts
 Measure = Callable[[dict[str, Any], int, Workload], Any]
 
 
@@ -185,7 +185,7 @@ class SweepRunner:
 
     def _max_trials(self) -> int | None:
         if self.settings.max_trials is None and self.settings.strategy == "grow":
-            return SEED_GROW_MAX_TRIALS
+            return GROW_MAX_TRIALS
         return self.settings.max_trials
 
     def _search(
@@ -309,7 +309,7 @@ def _failure_fields(error: NoBatchFitsError, used: int | None, limit: int | None
 
 
 def _merge(record: dict[str, Any], measured: Any) -> None:
-    """A mapping's entries join the record (seed 002's ``"accuracy": 0.85``); anything else is ``result``."""
+    """A mapping's entries join the record (e.g. ``"accuracy": 0.85``); anything else is ``result``."""
     if not isinstance(measured, Mapping):
         record["result"] = measured
         return
