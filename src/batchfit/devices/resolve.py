@@ -24,7 +24,7 @@ def auto_device(simulated_capacity: int | str = DEFAULT_SIMULATED_CAPACITY) -> D
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
-    """Where the model already is (seed 000: ``next(model.parameters()).device``)."""
+    """Where the model already is (as the classic recipe reads it: ``next(model.parameters()).device``)."""
     for tensor in model.parameters():
         return tensor.device
     for tensor in model.buffers():

@@ -51,7 +51,7 @@ def _grow_or_bisect(lo: int, hi: int, space: SearchSpace, factor: float) -> int:
 
 
 class Binary:
-    """Seed 000: bisection on ``[min_batch_size, max_batch_size]``, starting in the middle."""
+    """The classic recipe: bisection on ``[min_batch_size, max_batch_size]``, starting in the middle."""
 
     name = "binary"
 
@@ -75,7 +75,7 @@ class Power:
 
 
 class Grow:
-    """Seed 002: start at an estimate, x1.5 up to the cap; after a failure with nothing fitting,
+    """Estimate-then-grow: start at an estimate, x1.5 up to the cap; after a failure with nothing fitting,
     halve; then bisect between the last fit and the first failure."""
 
     name = "grow"

@@ -61,7 +61,7 @@ class Trial:
         return data
 
     def describe(self, capacity_bytes: int | None = None) -> str:
-        """A log line in seed 002's style: ``✓ Batch size 28 fits — peak 5.2 GiB of 8.0 GiB (0.4 s)``."""
+        """A log line: ``✓ Batch size 28 fits — peak 5.2 GiB of 8.0 GiB (0.4 s)``."""
         if self.fits:
             of = f" of {format_bytes(capacity_bytes)}" if capacity_bytes else ""
             return (

@@ -1,4 +1,4 @@
-"""MLX: the same search, plan and report for Apple's MLX (seed 004), on Apple silicon and on Linux.
+"""MLX: the same search, plan and report for Apple's MLX, on Apple silicon and on Linux.
 
 An ``MlxWorkload`` (model, one sample batch, loss, optimizer) and an ``MlxDevice`` (capacity:
 Metal's recommended working set on Apple silicon, else one you give) stand behind the same
