@@ -56,7 +56,8 @@ class ThroughputResult:
 
     batch_size: int
     best_batch_size: int
-    max_batch_size: int
+    largest_batch_size: int
+    """The largest size timed: the caller's ``max_batch_size``, else the largest that fits, searched first."""
     tolerance: float
     points: list[ThroughputPoint]
     alpha_seconds: float
@@ -64,6 +65,12 @@ class ThroughputResult:
     reason: str
     memory_saved_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_batch_size(self) -> int:
+        """Deprecated: ``largest_batch_size`` (``max_batch_size`` is the caller's cap everywhere else)."""
+        warnings.warn("ThroughputResult.max_batch_size is now largest_batch_size", DeprecationWarning, stacklevel=2)
+        return self.largest_batch_size
 
     def knee(self, fraction: float) -> float | None:
         """The batch at which the fitted throughput reaches ``fraction`` of its ceiling."""
@@ -92,7 +99,7 @@ class ThroughputResult:
         return {
             "batch_size": self.batch_size,
             "best_batch_size": self.best_batch_size,
-            "max_batch_size": self.max_batch_size,
+            "largest_batch_size": self.largest_batch_size,
             "tolerance": self.tolerance,
             "alpha_seconds": self.alpha_seconds,
             "beta_seconds_per_sample": self.beta_seconds_per_sample,
@@ -227,7 +234,7 @@ def find_optimal_batch_size(
     >>> model = torch.nn.Linear(8, 1)
     >>> result = find_optimal_batch_size(model, torch.randn(2, 8), step_fn=lambda m, b: m(b).mean(),
     ...                                  device="sim:1MiB", max_batch_size=8, timed_steps=1)
-    >>> result.max_batch_size, 1 <= result.batch_size <= 8
+    >>> result.largest_batch_size, 1 <= result.batch_size <= 8
     (8, True)
     """
     if warmup_steps is not None:
