@@ -1,5 +1,6 @@
-"""Run by test_accumulate.py under torchrun (2 ranks, gloo): does accumulation under DDP give
-the full batch's gradient? Rank 0 writes the largest difference to the path in argv[1]."""
+"""Run for test_accumulate.py under torchrun (2 ranks, gloo; by ddp_suite.py with the other checks,
+or alone): does accumulation under DDP give the full batch's gradient? Rank 0 writes the largest
+difference to the path in argv[1]."""
 
 import json
 import sys

@@ -1,5 +1,6 @@
-"""Run by test_distributed.py under torchrun (2 ranks, gloo). Only rank 1 has the small device:
-both ranks must find the same batch size, and the Microbatcher must shrink on both."""
+"""Run for test_distributed.py under torchrun (2 ranks, gloo; by ddp_suite.py with the other checks,
+or alone). Only rank 1 has the small device: both ranks must find the same batch size, and the
+Microbatcher must shrink on both."""
 
 import copy
 import json

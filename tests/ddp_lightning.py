@@ -1,4 +1,5 @@
-"""Run by test_lightning.py under torchrun (2 ranks, gloo): Lightning DDP on the CPU with BatchFit.
+"""Run for test_lightning.py under torchrun (2 ranks, gloo; by ddp_suite.py with the other checks,
+or alone): Lightning DDP on the CPU with BatchFit.
 
 Rank 1's simulated device is smaller: both ranks must set the size that fits on rank 1, keep the
 global batch of 3000 through accumulation, and then train two optimizer steps at that size."""

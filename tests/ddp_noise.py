@@ -1,6 +1,7 @@
-"""Run by test_distributed.py under torchrun (2 ranks, gloo): each rank's local gradient is one
-small batch, the global batch the big one, so the estimate equals one process with 2 micro-batches,
-actively (measure_noise_scale) and passively (GradientAccumulator(noise=...) over DDP)."""
+"""Run for test_distributed.py under torchrun (2 ranks, gloo; by ddp_suite.py with the other checks,
+or alone): each rank's local gradient is one small batch, the global batch the big one, so the
+estimate equals one process with 2 micro-batches, actively (measure_noise_scale) and passively
+(GradientAccumulator(noise=...) over DDP)."""
 
 import json
 import sys

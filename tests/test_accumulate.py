@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from batchfit.runtime.accumulate import GradientAccumulator
-from test_distributed import torchrun
+from ddp_launch import ddp_output
 
 
 def model_and_batch(samples: int = 10):
@@ -91,10 +91,8 @@ def test_bad_micro_batch_size():
         GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=0)
 
 
-def test_under_ddp_with_two_gloo_ranks_the_gradient_is_the_full_batch_gradient(tmp_path):
-    out = tmp_path / "ddp.json"
-    completed = torchrun("ddp_accumulation.py", out)
-    assert completed.returncode == 0, completed.stderr[:3000]
+def test_under_ddp_with_two_gloo_ranks_the_gradient_is_the_full_batch_gradient(tmp_path_factory):
+    out = ddp_output("ddp_accumulation", tmp_path_factory) / "out"  # the launch ddp_suite.py shares
     result = json.loads(out.read_text())
     assert result["world"] == 2 and result["micro_batches"] == 3
     assert result["difference"] < 1e-10

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,34 +13,16 @@ import pytest
 import batchfit as bf
 from batchfit.search.distributed import _merge
 from batchfit.search.trial import Trial
+from ddp_launch import ddp_output
+from ddp_launch import free_port
 from models import decoder
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# The torchrun checks (ddp_agreement.py, ddp_sweep.py, ddp_noise.py) run in one launch shared with
+# test_accumulate.py's and test_lightning.py's (ddp_suite.py); each test reads its check's output.
 
 
-def torchrun(script: str, out: Path) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(Path(__file__).with_name(script)),
-        str(out),
-    ]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}  # loopback only: the sandbox's hostname may not route
-    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-
-
-def test_ranks_agree_on_the_size_and_shrink_together(tmp_path):
-    out = tmp_path / "agreement.json"
-    completed = torchrun("ddp_agreement.py", out)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+def test_ranks_agree_on_the_size_and_shrink_together(tmp_path_factory):
+    out = ddp_output("ddp_agreement", tmp_path_factory) / "out"
     first, second = json.loads(out.read_text())
     assert first["found"] == second["found"] >= 16  # the same answer on both ranks: what fits on the smaller
     assert first["micro"] == second["micro"] == 16  # rank 0 had room for 64 but shrank with rank 1
@@ -67,7 +48,7 @@ def test_a_rank_that_dies_makes_the_other_fail_clearly_within_the_timeout(tmp_pa
         **os.environ,
         "GLOO_SOCKET_IFNAME": "lo",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": "2",
         "BATCHFIT_AGREEMENT_TIMEOUT_SECONDS": "5",
     }
@@ -93,10 +74,9 @@ def test_a_rank_that_dies_makes_the_other_fail_clearly_within_the_timeout(tmp_pa
     assert outcome["seconds"] < 60
 
 
-def test_a_sweep_under_torchrun_agrees_writes_once_and_caches(tmp_path):
-    out = tmp_path / "sweep"
-    completed = torchrun("ddp_sweep.py", out)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+def test_a_sweep_under_torchrun_agrees_writes_once_and_caches(tmp_path_factory):
+    folder = ddp_output("ddp_sweep", tmp_path_factory)
+    out = folder / "out"
     first, second = (json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1))
     alone = bf.sweep_grid(decoder, {"seq_len": [8, 16]}, device="sim:768KiB", cache=False, log=lambda line: None)
     expected = [r["batch_size_used"] for r in alone.records]  # what fits on the smaller device
@@ -104,20 +84,18 @@ def test_a_sweep_under_torchrun_agrees_writes_once_and_caches(tmp_path):
     assert first[0]["starts"] == second[0]["starts"]  # the same estimate on both ranks
     assert first[0]["trials"] == second[0]["trials"] > 0
     assert first[1] == second[1] and first[1]["trials"] == 0 and first[1]["sizes"] == expected  # all from the cache
-    saved = json.loads((tmp_path / "first.json").read_text())
+    saved = json.loads((folder / "first.json").read_text())
     assert saved["device"]["name"] == "sim:1.0MiB"  # written by rank 0 only
     assert [r["batch_size_used"] for r in saved["summary"]] == expected
 
 
-def test_the_noise_scale_over_two_ranks_equals_two_micro_batches_on_one(tmp_path):
+def test_the_noise_scale_over_two_ranks_equals_two_micro_batches_on_one(tmp_path_factory):
     from torch.nn import functional as F
 
     from test_noise import loader
     from test_noise import regression
 
-    out = tmp_path / "noise"
-    completed = torchrun("ddp_noise.py", out)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    out = ddp_output("ddp_noise", tmp_path_factory) / "out"
     ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
     model, inputs, targets = regression()
     alone = bf.measure_noise_scale(model, loader(inputs, targets, 16), loss_fn=F.mse_loss, steps=40, micro_batch_size=8)

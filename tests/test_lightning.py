@@ -18,13 +18,13 @@ from batchfit.integrations.lightning import fit_batch_size
 from batchfit.integrations.result import FitResult
 
 sys.path.insert(0, str(Path(__file__).parent))
+from ddp_launch import ddp_output
 from lightning_models import Classifier
 from lightning_models import Data
 from lightning_models import PlainClassifier
 from lightning_models import Recorder
 from lightning_models import sample
 from lightning_models import trainer
-from test_distributed import torchrun
 
 CAPACITY = "6MiB"
 
@@ -187,10 +187,8 @@ def test_the_result_speaks_the_shared_vocabulary_and_the_old_names_still_read():
         assert result.one_step is result.one_step_search
 
 
-def test_ranks_agree_under_ddp(tmp_path):
-    out = tmp_path / "lightning.json"
-    completed = torchrun("ddp_lightning.py", out)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+def test_ranks_agree_under_ddp(tmp_path_factory):
+    out = ddp_output("ddp_lightning", tmp_path_factory) / "out"  # the launch ddp_suite.py shares
     first, second = (json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1))
     assert first["largest"] == second["largest"] == first["rank1_alone"] < first["rank0_alone"]
     assert first["batch_size"] == second["batch_size"] <= first["largest"]

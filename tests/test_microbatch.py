@@ -177,18 +177,19 @@ def test_a_capacity_drop_mid_run_keeps_every_step_and_sample():
     batcher = Microbatcher(
         work.model, work.optimizer, loss_fn=work.loss_fn, device=device, micro_batch_size=16, grow_after=None
     )
-    for step in range(200):
-        if step == 100:  # another tenant arrives: what is live now, plus room for micro-batches of 4, not 8
+    steps, drop = 20, 10  # enough steps on each side of the drop: more only repeat the same step
+    for step in range(steps):
+        if step == drop:  # another tenant arrives: what is live now, plus room for micro-batches of 4, not 8
             room = (
                 transient_bytes(work.model, work.optimizer, batch, 4, work.loss_fn)
                 + transient_bytes(work.model, work.optimizer, batch, 8, work.loss_fn)
             ) // 2
             device.counter.limit_bytes = device.live_bytes() + room
         batcher.step(batch)
-    assert len(batcher.history) == 200 and sum(record.samples for record in batcher.history) == 200 * 16
-    assert {int(state["step"]) for state in work.optimizer.state.values()} == {200}
-    assert all(record.micro_batch_size == 16 and record.ooms == 0 for record in batcher.history[:100])
-    assert batcher.history[100].ooms == 2 and all(record.micro_batch_size == 4 for record in batcher.history[100:])
+    assert len(batcher.history) == steps and sum(record.samples for record in batcher.history) == steps * 16
+    assert {int(state["step"]) for state in work.optimizer.state.values()} == {steps}
+    assert all(record.micro_batch_size == 16 and record.ooms == 0 for record in batcher.history[:drop])
+    assert batcher.history[drop].ooms == 2 and all(record.micro_batch_size == 4 for record in batcher.history[drop:])
 
 
 def test_it_grows_back_after_clean_steps_but_never_above_a_failure():

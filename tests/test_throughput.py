@@ -102,8 +102,8 @@ def test_without_a_maximum_it_finds_one_first_on_a_real_model():
     result = find_optimal_batch_size(
         model, batch, loss_fn=torch.nn.functional.cross_entropy, device="sim:96KiB", timed_steps=1
     )
-    assert result.max_batch_size == max(p.batch_size for p in result.points) > 1
-    assert 1 <= result.batch_size <= result.max_batch_size
+    assert result.largest_batch_size == max(p.batch_size for p in result.points) > 1
+    assert 1 <= result.batch_size <= result.largest_batch_size
 
 
 @pytest.mark.parametrize(
@@ -162,7 +162,7 @@ def test_the_search_for_the_maximum_gets_every_search_keyword(monkeypatch):
         "1MiB",
         False,
     )
-    assert result.max_batch_size == 16 and min(p.batch_size for p in result.points) == 3
+    assert result.largest_batch_size == 16 and min(p.batch_size for p in result.points) == 3
 
 
 def test_a_margin_is_kept_free_while_timing_too():
@@ -171,11 +171,17 @@ def test_a_margin_is_kept_free_while_timing_too():
     loss = torch.nn.functional.cross_entropy
     kept = find_optimal_batch_size(model, batch, loss_fn=loss, device="sim:96KiB", timed_steps=1, margin=0.5)
     full = find_optimal_batch_size(model, batch, loss_fn=loss, device="sim:96KiB", timed_steps=1)
-    assert kept.max_batch_size < full.max_batch_size
+    assert kept.largest_batch_size < full.largest_batch_size
     too_big = find_optimal_batch_size(
-        model, batch, loss_fn=loss, device="sim:96KiB", timed_steps=1, margin=0.5, max_batch_size=full.max_batch_size
+        model,
+        batch,
+        loss_fn=loss,
+        device="sim:96KiB",
+        timed_steps=1,
+        margin=0.5,
+        max_batch_size=full.largest_batch_size,
     )
-    assert max(p.batch_size for p in too_big.points) < full.max_batch_size  # the largest no longer fits the margin
+    assert max(p.batch_size for p in too_big.points) < full.largest_batch_size  # the largest no longer fits the margin
 
 
 class TimelineDevice(SimulatedDevice):
@@ -228,3 +234,10 @@ def test_the_old_warmup_steps_keyword_still_works_for_one_release_and_warns():
             timed_steps=2,
         )
     assert set(calls.values()) == {5}  # the old keyword still sets the untimed steps: 3 + 2 per size
+
+
+def test_the_largest_size_timed_is_largest_batch_size_and_the_old_name_warns():
+    result = optimal(max_batch_size=16)
+    assert result.largest_batch_size == 16 and result.to_dict()["largest_batch_size"] == 16
+    with pytest.warns(DeprecationWarning, match="largest_batch_size"):
+        assert result.max_batch_size == 16

@@ -260,7 +260,7 @@ def goodput(throughput: Any, noise_scale: float, base_batch_size: int | None = N
     ]
     best = max(points, key=lambda point: point["goodput"])
     optimal = goodput_optimal_batch(
-        throughput.alpha_seconds, throughput.beta_seconds_per_sample, noise_scale, throughput.max_batch_size
+        throughput.alpha_seconds, throughput.beta_seconds_per_sample, noise_scale, throughput.largest_batch_size
     )
     return Goodput(noise_scale, base, points, int(best["batch_size"]), optimal)
 
