@@ -1,4 +1,5 @@
-"""Shared fixtures: the linear-scan ground truth, and memory freed between tests."""
+"""Shared fixtures: the linear-scan ground truth, memory freed between tests, one torch thread
+and a frozen import-time heap (both only make the suite faster)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import settings
 
 import batchfit as bf
@@ -23,7 +25,31 @@ settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# The tests' models are tiny: a second torch thread only contends, and on a shared or busy
+# machine (or under pytest-xdist) it makes every step several times slower. Subprocesses that
+# tests start inherit the setting; an OMP_NUM_THREADS given by the caller is respected.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+# pytest-xdist sets COLUMNS=80 in its workers, and rich fixes a console's width from COLUMNS when the console is
+# made (at import). Without it the width is read per call, so each CLI test's own COLUMNS decides the wrapping.
+os.environ.pop("COLUMNS", None)
+
 _TRUE_EDGES: dict[str, int] = {}
+
+
+def _collect_and_freeze() -> None:
+    """Collect, then move every object still alive (torch's and the test modules' ~300k, modules
+    imported lazily, caches) out of the collector's sight: the full collections batchfit runs
+    (after each sweep configuration, after a failed trial) then walk only what the running test
+    made, which is collected as usual. A test never sees another's garbage either way."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _collect_and_freeze()
 
 
 def linear_scan_edge(case: Case) -> int:
@@ -46,7 +72,7 @@ def case(request) -> Case:
 @pytest.fixture(autouse=True)
 def _free_memory():
     yield
-    gc.collect()
+    _collect_and_freeze()
 
 
 @pytest.fixture(autouse=True)

@@ -279,13 +279,16 @@ def frozen_gc() -> Iterator[None]:
     """Move every object alive now out of the collector's sight (``gc.freeze``), so that the full
     collections batchfit runs after a failed trial, and this harness after each injection, cost
     milliseconds instead of a walk over torch's ~300k objects. Objects made later are collected
-    as usual, so a leak made by an injection still shows."""
+    as usual, so a leak made by an injection still shows. Where objects were frozen already (the
+    test session freezes what outlives each test: ``tests/conftest.py``), they stay frozen."""
+    nested = gc.get_freeze_count() > 0
     gc.collect()
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not nested:
+            gc.unfreeze()
 
 
 def _clean_run(target: Target, label: str) -> list[str]:

@@ -118,14 +118,16 @@ print(fingerprint(fingerprint_fields(gpt_tiny(), bf.SimulatedDevice("64MiB"), {}
 
 
 def test_the_fingerprint_is_the_same_in_another_process():
-    runs = [
-        subprocess.run([sys.executable, "-c", FINGERPRINT_SCRIPT], capture_output=True, text=True, check=True)
+    procs = [  # two processes at once (each with its own hash seed), while this one computes its own
+        subprocess.Popen([sys.executable, "-c", FINGERPRINT_SCRIPT], stdout=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
     from batchfit.cli.examples import gpt_tiny
 
     here = fingerprint(fingerprint_fields(gpt_tiny(), bf.SimulatedDevice("64MiB"), {}))
-    assert runs[0].stdout.strip() == runs[1].stdout.strip() == here
+    runs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0]
+    assert runs[0].strip() == runs[1].strip() == here
 
 
 HAMMER = """

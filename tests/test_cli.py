@@ -135,7 +135,7 @@ def _run_json(tiny, out, *args):
 
 def test_workload_options_reach_the_built_ins(tmp_path):
     out = tmp_path / "r.json"
-    args = ["--device", "sim:64MiB", "--max-trials", "1", "--json", str(out)]
+    args = ["--device", "sim:12MiB", "--max-trials", "1", "--json", str(out)]  # small batches: fp16 is slow on a CPU
     assert invoke("find", "gpt-tiny", "--seq-len", "16", "--amp", "bf16", *args).exit_code == 0
     document = json.loads(out.read_text())
     assert document["workload"] == {"name": "gpt-tiny", "options": {"seq_len": 16, "amp_dtype": "bf16"}}
@@ -145,7 +145,7 @@ def test_workload_options_reach_the_built_ins(tmp_path):
 
 
 def test_auto_device_says_plainly_that_it_simulates():
-    result = invoke("find", "mlp", "--max-trials", "1")
+    result = invoke("find", "mlp", "--max-trials", "1", "--no-trace")  # one trial of batch size 1
     assert result.exit_code == 0
     assert "Simulated: a 256.0 MiB device on the CPU, not a GPU measurement" in result.output
 
@@ -166,7 +166,10 @@ def test_auto_device_says_plainly_that_it_simulates():
         (["mlp", "--device", "sim:7.1MiB"], "even batch size 1 does not fit on sim:7.1MiB"),
         (["mlp", "--device", "sim:1MiB"], "before any batch"),
         (["mlp", "--strategy", "fastest"], "unknown strategy 'fastest'"),
-        (["mlp", "--json", "no/such/folder/r.json", "--max-trials", "1"], "folder no/such/folder does not exist"),
+        (
+            ["mlp", "--json", "no/such/folder/r.json", "--max-trials", "1", "--no-trace"],
+            "folder no/such/folder does not exist",
+        ),
     ],
 )
 def test_errors_are_one_line_on_stderr_with_exit_code_2(args, message):
@@ -355,7 +358,10 @@ def test_optimal_prints_the_table_the_fit_and_the_choice(tiny, tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["find", "mlp", "--max-trials", "1", "--json", "."], "cannot write .: it is a folder; give a file path"),
+        (
+            ["find", "mlp", "--max-trials", "1", "--no-trace", "--json", "."],
+            "cannot write .: it is a folder; give a file path",
+        ),
         (
             ["plan", "mlp", "--micro-batch-size", "8", "--global-batch-size", "64"],
             "give either --micro-batch-size N or a WORKLOAD",

@@ -87,12 +87,12 @@ def test_optimal_with_a_noise_scale_reports_the_goodput_optimum(tmp_path):
     from batchfit.planning.noise import goodput_optimal_batch
 
     out = tmp_path / "optimal.json"
-    result = invoke("optimal", "mlp", "--device", "sim:32MiB", "--noise-scale", "400", "--json", str(out))
+    result = invoke("optimal", "mlp", "--device", "sim:12MiB", "--noise-scale", "400", "--json", str(out))
     assert result.exit_code == 0, result.output
     document = json.loads(out.read_text())
     found = document["goodput"]
     line = goodput_optimal_batch(
-        document["alpha_seconds"], document["beta_seconds_per_sample"], 400.0, document["max_batch_size"]
+        document["alpha_seconds"], document["beta_seconds_per_sample"], 400.0, document["largest_batch_size"]
     )
     assert found["optimal_batch_size"] == line
     best = max(found["points"], key=lambda p: p["goodput"])

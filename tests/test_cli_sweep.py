@@ -12,7 +12,7 @@ from batchfit.cli.app import app
 from batchfit.cli.sweep import parse_grid
 
 runner = CliRunner()
-SWEEP = ["sweep", "gpt-tiny", "--grid", "seq_len=16,32", "--device", "sim:32MiB"]
+SWEEP = ["sweep", "gpt-tiny", "--grid", "seq_len=16,32", "--device", "sim:12MiB"]  # edges of 8 to 34 samples
 
 
 def invoke(*args: str):
@@ -36,15 +36,15 @@ def test_sweep_prints_seed_002_lines_a_table_and_writes_the_results_file(tmp_pat
     assert "4 configurations, 8 trials (0 from the result cache)" in result.output
     again = invoke(*SWEEP, "--grid", "layers=1,2", "--json", str(tmp_path / "again.json"))
     assert again.exit_code == 0 and "4 configurations, 0 trials (4 from the result cache)" in again.output
-    fresh = invoke(*SWEEP, "--grid", "layers=1,2", "--no-cache")
-    assert "4 configurations, 8 trials (0 from the result cache)" in fresh.output
+    fresh = invoke(*SWEEP, "--grid", "layers=1", "--no-cache")  # two configurations the cache holds
+    assert "2 configurations, 4 trials (0 from the result cache)" in fresh.output
 
 
 def test_sweep_resumes_from_its_results_file(tmp_path):
     out = tmp_path / "sweep.json"
     assert invoke(*SWEEP, "--json", str(out), "--no-cache").exit_code == 0
     result = invoke(
-        "sweep", "gpt-tiny", "--grid", "seq_len=16,32,48", "--device", "sim:32MiB", "--json", str(out), "--no-cache"
+        "sweep", "gpt-tiny", "--grid", "seq_len=16,32,48", "--device", "sim:12MiB", "--json", str(out), "--no-cache"
     )
     assert result.exit_code == 0, result.output
     assert result.output.count("Already measured") == 2 and "3 configurations, 6 trials" in result.output
@@ -52,9 +52,9 @@ def test_sweep_resumes_from_its_results_file(tmp_path):
 
 
 def test_a_fixed_batch_size_is_checked_once(tmp_path):
-    result = invoke(*SWEEP, "--no-auto-adjust", "--batch-size", "40", "--no-cache")
+    result = invoke(*SWEEP, "--no-auto-adjust", "--batch-size", "12", "--no-cache")
     assert result.exit_code == 0, result.output
-    assert "Checking the fixed batch size 40 for seq_len=16" in result.output
+    assert "Checking the fixed batch size 12 for seq_len=16" in result.output
     assert "2 configurations, 2 trials" in result.output and "Nothing fitted for: seq_len=32." in result.output
 
 
