@@ -23,10 +23,11 @@ demo: $(STAMP)
 	$(BIN)/batchfit find gpt-tiny --plot batchfit-demo.png --json batchfit-demo.json
 
 # Lint, format and the import contract (tests/test_layout.py) run with the suite: everything CI runs.
+# Two pytest-xdist workers, one per core (the tests' models are tiny: one torch thread each).
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
-	$(BIN)/python -m pytest src tests
+	$(BIN)/python -m pytest -n 2 src tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

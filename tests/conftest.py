@@ -32,10 +32,6 @@ if "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-# pytest-xdist sets COLUMNS=80 in its workers, and rich fixes a console's width from COLUMNS when the console is
-# made (at import). Without it the width is read per call, so each CLI test's own COLUMNS decides the wrapping.
-os.environ.pop("COLUMNS", None)
-
 _TRUE_EDGES: dict[str, int] = {}
 
 
