@@ -28,7 +28,6 @@ from batchfit.search.cache import ResultCache
 from batchfit.search.strategies import STRATEGIES
 from batchfit.sweep.api import sweep_grid as run_sweep
 from batchfit.sweep.results import SweepResult
-from batchfit.sweep.results import describe
 from batchfit.sweep.runner import ESTIMATE_SOURCES
 
 cache_app = typer.Typer(
@@ -167,7 +166,7 @@ def sweep(
             name=workload,
         )
     console.print(sweep_table(result))
-    console.print(f"[bold green]{escape(sweep_summary(result, time.perf_counter() - start))}[/]")
+    console.print(f"[bold green]{escape(result.summary(seconds=time.perf_counter() - start))}[/]")
     if json_path is not None:
         console.print(f"Wrote {json_path}")
 
@@ -184,16 +183,6 @@ def sweep_table(result: SweepResult) -> Table:
         row = [*(str(record[k]) for k in result.knobs), str(record["batch_size_used"]), estimated]
         table.add_row(*row, str(len(record["trials"])), peak, escape(note))
     return table
-
-
-def sweep_summary(result: SweepResult, seconds: float) -> str:
-    cached = sum(1 for r in result.records if r.get("cached"))
-    failed = [describe({k: r[k] for k in result.knobs}) for r in result.records if not r.get("fits", True)]
-    line = (
-        f"{len(result.records)} configurations, {result.total_trials} trials "
-        f"({cached} from the result cache), {seconds:.1f} s."
-    )
-    return line + (f" Nothing fitted for: {'; '.join(failed)}." if failed else "")
 
 
 @cache_app.command("list", epilog="Example: batchfit cache list --cache-dir /tmp/batchfit-cache")

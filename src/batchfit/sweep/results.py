@@ -97,5 +97,19 @@ class SweepResult:
                 return record["batch_size_used"]
         raise KeyError(f"no configuration {describe(knobs)} in this sweep")
 
+    def summary(self, seconds: float | None = None) -> str:
+        """One sentence: configurations, trials (and how many answers came from the cache), what did not fit.
+
+        >>> SweepResult([{"seq_len": 8, "trials": [1, 2], "fits": True}, {"seq_len": 16, "trials": [3], "fits": False}],
+        ...             ["seq_len"], "sim:1MiB", None).summary(seconds=0.25)
+        '2 configurations, 3 trials (0 from the result cache), 0.2 s. Nothing fitted for: seq_len=16.'
+        """
+        cached = sum(1 for record in self.records if record.get("cached"))
+        failed = [describe({k: r[k] for k in self.knobs}) for r in self.records if not r.get("fits", True)]
+        took = f", {seconds:.1f} s" if seconds is not None else ""
+        line = f"{len(self.records)} configurations, {self.total_trials} trials ({cached} from the result cache){took}."
+        return line + (f" Nothing fitted for: {'; '.join(failed)}." if failed else "")
+
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: every record (under ``summary``, the results file's key), the knobs and the device."""
         return {"summary": self.records, "knobs": self.knobs, "device": self.device}
