@@ -379,3 +379,22 @@ def test_a_zero_reserve_is_accepted_in_any_spelling():
     for reserve in ("0", "0MiB"):
         result = invoke("estimate", "mlp", "--gpu", "t4-16gb", "--reserve", reserve, "--quiet")
         assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["find", "mlp", "--device", "sim:2MiB"],
+        ["estimate", "mlp", "--batch-size", "8", "--gpu", "a100-40gb"],
+        ["optimal", "mlp", "--device", "sim:2MiB"],
+        ["plan", "mlp", "--device", "sim:2MiB", "--global-batch-size", "64"],
+        ["critical", "mlp"],
+    ],
+    ids=lambda command: command[0],
+)
+def test_an_unwritable_json_path_fails_before_any_work(tmp_path, command):
+    missing = tmp_path / "no-such-folder" / "out.json"
+    result = runner.invoke(app, [*command, "--json", str(missing)])
+    assert result.exit_code == 2
+    assert f"folder {missing.parent} does not exist" in result.output
+    assert len(result.output.strip().splitlines()) == 1  # the error alone: nothing was measured or printed first

@@ -20,7 +20,7 @@ from batchfit.cli.common import FrameworkOption
 from batchfit.cli.common import ImageSize
 from batchfit.cli.common import SeqLen
 from batchfit.cli.common import app
-from batchfit.cli.common import check_plotting
+from batchfit.cli.common import check_outputs
 from batchfit.cli.common import cli_errors
 from batchfit.cli.common import console
 from batchfit.cli.common import errors
@@ -76,7 +76,7 @@ def find(
     """Find the largest batch size that really fits: every answer is a size a trial ran."""
     work, options = load_for_cli(workload, seq_len, image_size, amp, framework.value if framework else None)
     dev = device_for(work, device)
-    check_plotting(plot)
+    check_outputs(json_path, plot)
     if not quiet:
         console.print(header_line(work, dev))
     done: list[Trial] = []
@@ -177,7 +177,7 @@ def estimate(
     label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
     tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes)
     work, options = load_for_cli(workload, seq_len, image_size, amp)
-    check_plotting(plot)
+    check_outputs(json_path, plot)
     label = label or f"a {format_bytes(tracer.capacity_bytes())} device"
     if not quiet:
         console.print(
@@ -263,7 +263,7 @@ def optimal(
 
     work, options = load_for_cli(workload, seq_len, image_size, amp)
     dev = resolve_device(device, work.model)
-    check_plotting(plot)
+    check_outputs(json_path, plot)
     console.print(header_line(work, dev, "optimal"))
     with console.status("Finding the largest batch, then timing steps across batch sizes", spinner="dots"):
         result = optimal_for_workload(
@@ -378,6 +378,7 @@ def plan(
     measured = None
     if workload is not None and micro_batch_size is not None:
         raise ValueError("give either --micro-batch-size N or a WORKLOAD to measure it on, not both")
+    check_outputs(json_path)
     if workload is not None:
         work = load_workload(workload, framework=None, seq_len=seq_len, only_accepted=True)
         with console.status("Measuring the largest micro-batch", spinner="dots"):

@@ -65,14 +65,17 @@ def load_for_cli(
     return work, {key: value for key, value in options.items() if value is not None}
 
 
-def check_plotting(plot: Path | None) -> None:
-    """Fail before the work, not after it, when a plot is asked for and matplotlib is missing or
-    its folder does not exist."""
+def check_outputs(json_path: Path | None = None, plot: Path | None = None) -> None:
+    """Fail before the work, not after it, when an output's folder does not exist, or a plot is asked
+    for and matplotlib is missing."""
+    from batchfit.search.files import check_writable
+
+    for path in (json_path, plot):
+        if path is not None:
+            check_writable(path)
     if plot is not None:
         from batchfit.cli.plots import load_pyplot
-        from batchfit.search.files import check_writable
 
-        check_writable(plot)
         load_pyplot()
 
 

@@ -16,6 +16,7 @@ from batchfit._version import versions
 from batchfit.cli.common import Debug
 from batchfit.cli.common import SeqLen
 from batchfit.cli.common import app
+from batchfit.cli.common import check_outputs
 from batchfit.cli.common import cli_errors
 from batchfit.cli.common import console
 from batchfit.cli.report import write_json
@@ -88,6 +89,7 @@ def critical(
     if batch_size <= micro_batch_size:
         raise ValueError(f"--batch-size ({batch_size}) must be larger than --micro-batch-size ({micro_batch_size})")
     sizes = parse_sizes(batch_sizes) if empirical else []  # checked before any work, not after the measurement
+    check_outputs(json_path)
     work = load_workload(workload, sample_size=population, seq_len=seq_len, only_accepted=True)
     console.print(
         f"batchfit critical: [bold]{escape(work.name)}[/], {steps} steps of {batch_size} rows "

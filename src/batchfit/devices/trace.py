@@ -121,7 +121,6 @@ class TraceDevice(CountingDevice):
     """
 
     simulated = True
-    traces = True
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ from batchfit.devices.resolve import resolve_device
 from batchfit.devices.units import format_bytes
 from batchfit.errors import NoBatchFitsError
 from batchfit.search import distributed
+from batchfit.search.backend import TORCH
 from batchfit.search.cached import CachedSearch
 from batchfit.search.cached import CacheSpec
 from batchfit.search.cached import open_cache
@@ -250,7 +251,7 @@ class SweepRunner:
             if source == "model" and limit is not None:
                 model = CrossConfigModel.fit(self._measured(workload.mode, limit))
                 guess = model.predict_batch_size(knobs, limit) if model is not None else None
-            elif source == "trace" and limit is not None and not getattr(dev, "traces", False):
+            elif source == "trace" and limit is not None and not TORCH.is_trace(dev):
                 traced = trace_estimate(workload, dev, limit, (s.min_batch_size, s.max_batch_size), s.steps)
                 guess = traced["batch_size"] if traced is not None else None
             elif source == "rules" and s.rules is not None:
