@@ -14,7 +14,7 @@ from torch.nn import functional as F
 import batchfit as bf
 from batchfit.cli.examples import gpt_tiny
 from batchfit.runtime import microbatch
-from batchfit.runtime.microbatch import EvalMicrobatcher
+from batchfit.runtime.evaluation import EvalMicrobatcher
 from batchfit.runtime.microbatch import Microbatcher
 from batchfit.runtime.microbatch import StepRecord
 

@@ -28,7 +28,7 @@ from batchfit.planning.plan import plan_batch
 from batchfit.runtime.accumulate import GradientAccumulator
 from batchfit.runtime.critical import critical_batch_by_training
 from batchfit.runtime.decorator import executable_batch_size
-from batchfit.runtime.microbatch import EvalMicrobatcher
+from batchfit.runtime.evaluation import EvalMicrobatcher
 from batchfit.runtime.microbatch import Microbatcher
 from batchfit.runtime.noise_measure import measure_noise_scale
 from batchfit.search.cache import ResultCache

@@ -33,7 +33,6 @@ from batchfit.step.compiled import runnable
 from batchfit.step.state import StateSnapshot
 from batchfit.step.workload import Workload
 from batchfit.step.workload import amp_dtype_of
-from batchfit.step.workload import compute_loss
 
 logger = logging.getLogger("batchfit")
 
@@ -124,7 +123,8 @@ class MicrobatcherSettings:
             )
 
 
-def _deprecated(owner: str, old: str, new: str) -> None:
+def warn_renamed(owner: str, old: str, new: str) -> None:
+    """The ``DeprecationWarning`` for reading a setting's old name, which now holds the live value."""
     warnings.warn(
         f"{owner}.{old} is deprecated and will be removed in the next release: read .{new} for the live "
         f"value, or .settings.{old} for the one you gave",
@@ -133,7 +133,7 @@ def _deprecated(owner: str, old: str, new: str) -> None:
     )
 
 
-def _accounting(device: Any) -> contextlib.AbstractContextManager:
+def device_accounting(device: Any) -> contextlib.AbstractContextManager:
     """Only a simulated device needs its accounting active to raise OOM; real allocators raise their own."""
     return device.measuring() if device.simulated else contextlib.nullcontext()
 
@@ -254,13 +254,13 @@ class Microbatcher:
     @property
     def micro_batch_size(self) -> int | None:
         """Deprecated: ``current_micro_batch_size`` (the live size; ``settings.micro_batch_size`` is yours)."""
-        _deprecated("Microbatcher", "micro_batch_size", "current_micro_batch_size")
+        warn_renamed("Microbatcher", "micro_batch_size", "current_micro_batch_size")
         return self.current_micro_batch_size
 
     @property
     def max_tokens(self) -> int | None:
         """Deprecated: ``current_max_tokens`` (the live budget; ``settings.max_tokens`` is yours)."""
-        _deprecated("Microbatcher", "max_tokens", "current_max_tokens")
+        warn_renamed("Microbatcher", "max_tokens", "current_max_tokens")
         return self.current_max_tokens
 
     @property
@@ -283,7 +283,7 @@ class Microbatcher:
         ooms = replays = 0
         while True:
             slices = self._slices(batch, size)
-            with _accounting(self.device):
+            with device_accounting(self.device):
                 loss, completed = self._accumulate(batch, slices, size, local_only=agreeing)
             failed = loss is None
             if agreeing and distributed.any_rank(failed) and not failed:
@@ -404,7 +404,7 @@ class Microbatcher:
         snapshot = self._guard()  # in host memory, outside the device's accounting
         failed = False
         try:
-            with _accounting(self.device):
+            with device_accounting(self.device):
                 self._step_once()
         except BaseException as error:
             if not is_oom(error):
@@ -419,7 +419,7 @@ class Microbatcher:
             snapshot.restore()
             self.device.collect()
             self._undo_scaler()
-            with _accounting(self.device):
+            with device_accounting(self.device):
                 self._retry_per_parameter()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
@@ -503,89 +503,3 @@ class Microbatcher:
         if grown > self.current_micro_batch_size:
             self.current_micro_batch_size = grown
             self._clean_steps = 0
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """What the caller gave an ``EvalMicrobatcher``: the first micro-batch size, never changed."""
-
-    micro_batch_size: int = 64
-
-    def __post_init__(self) -> None:
-        size = self.micro_batch_size
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"micro_batch_size must be a positive integer, got {size!r}")
-
-
-class EvalMicrobatcher:
-    """Forward passes under ``torch.no_grad()`` in micro-batches that fit, shrinking on OOM.
-
-    It keeps its own size, so evaluation never shrinks (or waits for) the training micro-batch.
-    ``run(batch)`` returns the outputs of the whole batch, concatenated along the batch dimension.
-    What you gave stays in ``settings``; the live size is ``current_micro_batch_size``, and ``ooms``
-    counts the out-of-memory errors so far. If even one sample runs out of memory it raises
-    ``NoBatchFitsError``.
-
-    >>> evaluator = EvalMicrobatcher(torch.nn.Linear(4, 2), micro_batch_size=3)
-    >>> evaluator.run(torch.randn(10, 4)).shape
-    torch.Size([10, 2])
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        device: Any = None,
-        micro_batch_size: int = 64,
-        forward_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
-    ):
-        self.settings = EvalSettings(micro_batch_size)
-        self.model = model
-        self.device = resolve_device(device, model)
-        self.forward_fn = forward_fn or (lambda model, batch: compute_loss(model, batch, need_loss=False))
-        self.current_micro_batch_size = micro_batch_size  # live: halves on every OOM
-        self.ooms = 0
-
-    @property
-    def micro_batch_size(self) -> int:
-        """Deprecated: ``current_micro_batch_size`` (the live size; ``settings.micro_batch_size`` is yours)."""
-        _deprecated("EvalMicrobatcher", "micro_batch_size", "current_micro_batch_size")
-        return self.current_micro_batch_size
-
-    def run(self, batch: Any) -> Any:
-        """The model's outputs for the whole ``batch``, computed in micro-batches that fit."""
-        total = batch_length(batch)
-        while True:
-            size = min(self.current_micro_batch_size, total)
-            try:
-                outputs = self._forward_all(batch, size)
-                break
-            except BaseException as error:
-                if not is_oom(error):
-                    raise
-            # only after an OOM, and outside the except block, whose traceback holds the outputs so far
-            self.ooms += 1
-            self.device.collect()
-            if size == 1:
-                raise NoBatchFitsError(
-                    f"even one sample runs out of memory in evaluation on {self.device.name}: "
-                    "use autocast, a smaller model or shorter inputs, or free memory",
-                    [],
-                )
-            self.current_micro_batch_size = size // 2
-        if len(outputs) == 1:
-            return outputs[0]
-        return torch.utils._pytree.tree_map(lambda *parts: torch.cat(parts), *outputs)
-
-    def _forward_all(self, batch: Any, size: int) -> list[Any]:
-        accounting = _accounting(self.device)
-        training = self.model.training
-        self.model.eval()
-        try:
-            with accounting, torch.no_grad():
-                return [
-                    self.forward_fn(runnable(self.model, self.device), slice_batch(batch, start, start + size))
-                    for start in range(0, batch_length(batch), size)
-                ]
-        finally:
-            self.model.train(training)
