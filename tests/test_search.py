@@ -229,3 +229,31 @@ def test_find_and_probe_keep_their_keywords_and_check_them_before_any_trial():
             bf.find_max_batch_size(work.model, work.sample_batch, loss_fn=work.loss_fn, device="sim:1MiB", **bad)
     with pytest.raises(ValueError, match="steps must be at least 1"):
         bf.probe_batch_size(work.model, work.sample_batch, 4, loss_fn=work.loss_fn, device="sim:1MiB", steps=0)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        ({"margin": "abc"}, ValueError, "not a size"),
+        ({"margin": 1.5}, ValueError, r"fractional margin must be in \[0, 1\)"),
+        ({"margin": True}, TypeError, "margin must be bytes"),
+        ({"cache": 5}, TypeError, "cache must be True, False, a folder or a ResultCache"),
+        ({"agree": "yes"}, TypeError, "agree must be True, False or None"),
+        ({"steps": True}, ValueError, "steps must be at least 1"),
+    ],
+    ids=lambda value: str(value) if isinstance(value, dict) else "",
+)
+def test_settings_refuse_a_bad_value_when_built_before_any_trial(bad, error, match):
+    with pytest.raises(error, match=match):
+        bf.SearchSettings(**bad)
+
+
+def test_a_search_traces_first_only_with_auto_trace_a_known_memory_and_a_real_device():
+    from batchfit.search.runner import traces_first
+
+    work, sim, default = mlp_tuple(), bf.SimulatedDevice("1MiB"), bf.SearchSettings()
+    assert traces_first(work, default, sim, 1 << 20)
+    assert not traces_first(work, default, sim, None)  # no capacity: nothing to aim the trace at
+    assert not traces_first(work, default, bf.TraceDevice("1MiB"), 1 << 20)  # already fake tensors
+    assert not traces_first(work, default.replace(trace=False), sim, 1 << 20)
+    assert not traces_first(work, default.replace(strategy="binary"), sim, 1 << 20)

@@ -38,9 +38,10 @@ from batchfit.cli.workloads import load_workload
 from batchfit.devices.resolve import resolve_device
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
-from batchfit.search.backend import backend_for
 from batchfit.search.runner import device_for
 from batchfit.search.runner import search_workload
+from batchfit.search.runner import traces_first
+from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import STRATEGIES
 from batchfit.search.trial import Trial
 
@@ -116,7 +117,7 @@ def find(
 
 def _search_live(work: Any, dev: Any, done: list[Trial], quiet: bool, **settings: Any) -> Any:
     capacity = dev.capacity_bytes()
-    traces = settings["trace"] and settings["strategy"] == "auto" and backend_for(work).can_trace(work)
+    traces = traces_first(work, SearchSettings(**settings), dev, capacity)
     first = "Tracing the workload on fake tensors" if traces else "Starting"
     with console.status(first, spinner="dots") as status:
         if quiet:

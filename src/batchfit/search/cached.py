@@ -30,9 +30,14 @@ def open_cache(cache: CacheSpec) -> ResultCache | None:
         return ResultCache()
     if isinstance(cache, ResultCache):
         return cache
-    if isinstance(cache, (str, Path)):
-        return ResultCache(cache)
-    raise TypeError(f"cache must be True, False, a folder or a ResultCache, got {type(cache).__name__}")
+    check_cache(cache)
+    return ResultCache(cache)
+
+
+def check_cache(cache: Any) -> None:
+    """A ``TypeError`` unless ``cache`` is ``True``, ``False``, ``None``, a folder or a ``ResultCache``."""
+    if cache is not None and not isinstance(cache, (bool, str, Path, ResultCache)):
+        raise TypeError(f"cache must be True, False, a folder or a ResultCache, got {type(cache).__name__}")
 
 
 @dataclass

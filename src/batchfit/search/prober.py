@@ -210,7 +210,7 @@ class Prober:
 
 def check_steps(steps: Any) -> None:
     """``steps`` must be a positive integer (a trial's full training steps)."""
-    if not isinstance(steps, int) or steps < 1:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be at least 1 (2 or more to include optimizer state), got {steps!r}")
 
 

@@ -18,7 +18,6 @@ import torch
 from batchfit.devices.base import Device
 from batchfit.devices.trace import TraceDevice
 from batchfit.devices.units import format_bytes
-from batchfit.devices.units import parse_bytes
 from batchfit.errors import NoBatchFitsError
 from batchfit.search import distributed
 from batchfit.search.backend import SearchBackend
@@ -29,6 +28,7 @@ from batchfit.search.cached import CacheSpec
 from batchfit.search.cached import open_cache
 from batchfit.search.result import SearchResult
 from batchfit.search.settings import SearchSettings
+from batchfit.search.settings import margin_bytes
 from batchfit.search.strategies import SearchSpace
 from batchfit.search.strategies import Strategy
 from batchfit.search.strategies import bracket
@@ -44,19 +44,6 @@ logger = logging.getLogger("batchfit")
 
 DeviceSpec = Device | torch.device | str | None
 UNBOUNDED_MAX_BATCH_SIZE = 1 << 20  # only where the device reports no capacity
-
-
-def margin_bytes(margin: int | float | str, capacity_bytes: int | None) -> int:
-    """Headroom in bytes: an int or a size string, or a fraction of the capacity in ``[0, 1)``."""
-    if isinstance(margin, bool):
-        raise TypeError(f"margin must be bytes, a size string or a fraction, got {margin!r}")
-    if isinstance(margin, float):
-        if not 0 <= margin < 1:
-            raise ValueError(f"a fractional margin must be in [0, 1), got {margin=}")
-        return int(margin * capacity_bytes) if capacity_bytes else 0
-    if margin == 0:
-        return 0
-    return parse_bytes(margin, what="margin")
 
 
 def usable_bytes(device: Device, margin: int | float | str) -> tuple[int | None, int | None]:
@@ -208,13 +195,20 @@ def _is_auto(strategy: str | Strategy) -> bool:
     return isinstance(strategy, str) and strategy == "auto"
 
 
+def traces_first(workload: Any, settings: SearchSettings, device: Device, limit_bytes: int | None) -> bool:
+    """Whether a search of ``workload`` on ``device`` estimates the edge on fake tensors before its real
+    trials: ``auto`` with ``trace``, a known usable memory, a workload that traces, not already a trace."""
+    backend = backend_for(workload)
+    if not (settings.trace and _is_auto(settings.strategy) and limit_bytes is not None):
+        return False
+    return not backend.is_trace(device) and backend.can_trace(workload)
+
+
 def _guess_by_trace(plan: _Plan, workload: Any) -> tuple[_Plan, dict[str, Any]]:
     """With ``strategy="auto"`` and ``trace``, the plan whose first guess is the trace's estimate of
     the edge, and ``{"trace": ...}`` for the result's ``extra``; else the plan unchanged."""
-    s, backend = plan.settings, plan.backend
-    if not (s.trace and _is_auto(s.strategy) and plan.limit_bytes is not None):
-        return plan, {}
-    if backend.is_trace(plan.device) or not backend.can_trace(workload):
+    s = plan.settings
+    if not traces_first(workload, s, plan.device, plan.limit_bytes):
         return plan, {}
     traced = trace_estimate(workload, plan.device, plan.limit_bytes, (s.min_batch_size, s.max_batch_size), s.steps)
     guess = traced["batch_size"] if traced is not None else None

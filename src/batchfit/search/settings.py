@@ -11,7 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from batchfit.devices.units import parse_bytes
 from batchfit.search.cached import CacheSpec
+from batchfit.search.cached import check_cache
 from batchfit.search.prober import check_steps
 from batchfit.search.strategies import Strategy
 from batchfit.search.strategies import make_strategy
@@ -31,6 +33,19 @@ def check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: in
         )
     if max_trials is not None and (not _is_count(max_trials) or max_trials < 1):
         raise ValueError(f"max_trials must be an integer of at least 1, or None, got {max_trials!r}")
+
+
+def margin_bytes(margin: int | float | str, capacity_bytes: int | None) -> int:
+    """Headroom in bytes: an int or a size string, or a fraction of the capacity in ``[0, 1)``."""
+    if isinstance(margin, bool):
+        raise TypeError(f"margin must be bytes, a size string or a fraction, got {margin!r}")
+    if isinstance(margin, float):
+        if not 0 <= margin < 1:
+            raise ValueError(f"a fractional margin must be in [0, 1), got {margin=}")
+        return int(margin * capacity_bytes) if capacity_bytes else 0
+    if margin == 0:
+        return 0
+    return parse_bytes(margin, what="margin")
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,12 @@ class SearchSettings:
         make_strategy(self.strategy)  # an unknown name fails here, naming the strategies
         if not isinstance(self.trace, bool):
             raise TypeError(f"trace must be True or False, got {self.trace!r}")
+        margin_bytes(self.margin, None)  # its form: bytes, a size string, or a fraction in [0, 1)
+        check_cache(self.cache)
+        if self.agree not in (None, True, False):
+            raise TypeError(
+                f"agree must be True, False or None (when a process group is initialised), got {self.agree!r}"
+            )
 
     def replace(self, **changes: Any) -> SearchSettings:
         """A copy with ``changes`` (checked again)."""
