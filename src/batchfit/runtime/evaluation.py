@@ -68,6 +68,11 @@ class EvalMicrobatcher:
         warn_renamed("EvalMicrobatcher", "micro_batch_size", "current_micro_batch_size")
         return self.current_micro_batch_size
 
+    @micro_batch_size.setter
+    def micro_batch_size(self, size: int) -> None:
+        warn_renamed("EvalMicrobatcher", "micro_batch_size", "current_micro_batch_size")
+        self.current_micro_batch_size = size
+
     def run(self, batch: Any) -> Any:
         """The model's outputs for the whole ``batch``, computed in micro-batches that fit."""
         total = batch_length(batch)

@@ -257,11 +257,21 @@ class Microbatcher:
         warn_renamed("Microbatcher", "micro_batch_size", "current_micro_batch_size")
         return self.current_micro_batch_size
 
+    @micro_batch_size.setter
+    def micro_batch_size(self, size: int | None) -> None:
+        warn_renamed("Microbatcher", "micro_batch_size", "current_micro_batch_size")
+        self.current_micro_batch_size = size
+
     @property
     def max_tokens(self) -> int | None:
         """Deprecated: ``current_max_tokens`` (the live budget; ``settings.max_tokens`` is yours)."""
         warn_renamed("Microbatcher", "max_tokens", "current_max_tokens")
         return self.current_max_tokens
+
+    @max_tokens.setter
+    def max_tokens(self, tokens: int | None) -> None:
+        warn_renamed("Microbatcher", "max_tokens", "current_max_tokens")
+        self.current_max_tokens = tokens
 
     @property
     def _by_tokens(self) -> bool:

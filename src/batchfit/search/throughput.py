@@ -57,7 +57,8 @@ class ThroughputResult:
     batch_size: int
     best_batch_size: int
     largest_batch_size: int
-    """The largest size timed: the caller's ``max_batch_size``, else the largest that fits, searched first."""
+    """The maximum the grid was built under: the caller's ``max_batch_size``, else the largest that fits,
+    searched first (with ``safety_fraction`` the grid stops below it; ``notes`` says where)."""
     tolerance: float
     points: list[ThroughputPoint]
     alpha_seconds: float
