@@ -179,7 +179,7 @@ def endurance_section(figures: dict[str, Any], methods: Counter) -> list[str]:
         "",
         f"{figures['searches']} consecutive searches in this process, {figures['seconds']:.0f} s "
         f"({figures['seconds_per_search'] * 1000:.0f} ms each), rotating over the {len(CAMPAIGN_CASES)} workloads and "
-        f"the methods ({', '.join(f'{m} {n}' for m, n in methods.items())}; the traced `auto` one search in {TRACE_EVERY}). "
+        f"the methods ({', '.join(f'{m} {n}' for m, n in methods.items())}; the traced `auto` two searches in {TRACE_EVERY + 1}: first, and mid-cycle). "
         "Each workload keeps one `SimulatedDevice` for the whole run, so anything a search leaves alive stays counted.",
         "",
         "| figure | value | bound |",

@@ -26,7 +26,7 @@ from models import Case
 from reliability_campaign import METHODS
 from reliability_campaign import linear_scan
 
-TRACE_EVERY = 25  # one search in this many is the default `auto` with its trace (slow: ~1 s on these models)
+TRACE_EVERY = 25  # about one search in this many is the default `auto` with its trace (slow: ~1 s on these models)
 
 
 def rss_bytes() -> int:
@@ -100,15 +100,18 @@ def run_endurance(
     seed: int = 0,
     progress: Callable[[int, Endurance], None] | None = None,
 ) -> Endurance:
-    """``count`` searches, rotating over ``cases`` and, for each, over the methods; the traced
-    ``auto`` one search in ``TRACE_EVERY``. Python's gc-tracked objects are counted before the first search, after
-    ``warmup`` searches and after the last."""
+    """``count`` searches, rotating over ``cases`` and, for each, over the methods, with the traced
+    ``auto`` twice in each cycle of ``TRACE_EVERY + 1``. Python's gc-tracked objects are counted
+    before the first search, after ``warmup`` searches and after the last."""
     benches = [_bench(case, seed + i) for i, case in enumerate(cases)]
     plain = [m for m in METHODS if not m[2]]
-    # each workload's own searches cycle through the methods, with the traced `auto` once in TRACE_EVERY (mid-cycle,
-    # so that a short run past its warm-up has it too)
+    # Each workload's own searches cycle through the methods with the traced `auto` twice: first, because torch
+    # fills its fake-tensor dispatch cache on a workload's first trace and the warm-up (however short) must hold
+    # that, or the cache's growth would read as a leak; and mid-cycle, so a short run past its warm-up traces too.
+    traced = next(m for m in METHODS if m[2])
     cycle = [plain[i % len(plain)] for i in range(TRACE_EVERY - 1)]
-    cycle.insert(TRACE_EVERY // 2, next(m for m in METHODS if m[2]))
+    cycle.insert(TRACE_EVERY // 2, traced)
+    cycle.insert(0, traced)
     run = Endurance()
     _count_objects(run, 0)
     start = time.perf_counter()
