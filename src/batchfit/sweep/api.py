@@ -20,8 +20,7 @@ from typing import Any
 
 from batchfit.search.cached import CacheSpec
 from batchfit.search.runner import DeviceSpec
-from batchfit.search.settings import check_bounds
-from batchfit.search.strategies import make_strategy
+from batchfit.search.settings import SearchSettings
 from batchfit.step.workload import Workload
 from batchfit.sweep.results import SweepResult
 from batchfit.sweep.rules import ScaleRules
@@ -95,23 +94,19 @@ def sweep_grid(
         raise ValueError(f"unknown estimate source(s) {unknown}: choose from {', '.join(ESTIMATE_SOURCES)}")
     if not auto_adjust and max_batch_size is None:
         raise ValueError("auto_adjust=False uses one fixed size: give it as max_batch_size (--batch-size)")
-    make_strategy(strategy)  # an unknown name fails here, naming the strategies
-    check_bounds(min_batch_size, max_batch_size, max_trials)
+    search = SearchSettings(
+        min_batch_size=min_batch_size,
+        max_batch_size=max_batch_size,
+        strategy=strategy,
+        margin=margin,
+        max_trials=max_trials,
+        steps=steps,
+        trace=False,  # the sweep traces through its estimate sources, once per configuration
+    )
     if isinstance(rules, (str, Path)):
         rules = ScaleRules.load(rules)
     elif isinstance(rules, Mapping):
         rules = ScaleRules.from_dict(rules)
-    settings = SweepSettings(
-        max_batch_size,
-        min_batch_size,
-        auto_adjust,
-        strategy,
-        tuple(estimate),
-        rules,
-        margin,
-        max_trials,
-        steps,
-        log or logger.info,
-    )
+    settings = SweepSettings(search, auto_adjust, tuple(estimate), rules, log or logger.info)
     label = name or getattr(factory, "__name__", "workload")
     return SweepRunner(factory, device, settings, cache, measure).run(configs, results_path, label)

@@ -26,6 +26,7 @@ from batchfit.search.runner import DeviceSpec
 from batchfit.search.runner import search_workload
 from batchfit.search.runner import trace_estimate
 from batchfit.search.runner import usable_bytes
+from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import Auto
 from batchfit.search.strategies import Grow
 from batchfit.search.strategies import Halving
@@ -48,17 +49,15 @@ GROW_MAX_TRIALS = 5  # estimate-then-grow gives up after 5 attempts
 Measure = Callable[[dict[str, Any], int, Workload], Any]
 
 
-@dataclass
+@dataclass(frozen=True)
 class SweepSettings:
-    max_batch_size: int | None
-    min_batch_size: int
+    """How a sweep runs: each configuration's search (``search``; the sweep gives each its own start and
+    traces through its ``estimate`` sources, never inside the search), and the sweep's own choices."""
+
+    search: SearchSettings
     auto_adjust: bool
-    strategy: str
     estimate: tuple[str, ...]
     rules: ScaleRules | None
-    margin: int | float | str
-    max_trials: int | None
-    steps: int
     log: Callable[[str], None]
 
 
@@ -116,11 +115,11 @@ class SweepRunner:
         s = self.settings
         return {
             "mode": workload.mode,
-            "max_batch_size": s.max_batch_size,
-            "min_batch_size": s.min_batch_size,
+            "max_batch_size": s.search.max_batch_size,
+            "min_batch_size": s.search.min_batch_size,
             "auto_adjust": s.auto_adjust,
-            "margin": str(s.margin),
-            "steps": s.steps,
+            "margin": str(s.search.margin),
+            "steps": s.search.steps,
         }
 
     def _build(self, knobs: dict[str, Any]) -> Workload:
@@ -137,7 +136,7 @@ class SweepRunner:
         log(f"Testing {label}")
         started = time.perf_counter()
         dev = resolve_device(self.device, workload.model)
-        limit = usable_bytes(dev, self.settings.margin)[1]
+        limit = usable_bytes(dev, self.settings.search.margin)[1]
         place = self._place(workload, dev, limit, knobs)
         record: dict[str, Any] = {**knobs, "mode": workload.mode}
         result = self._agreed_hit(place.lookup(started) if place is not None else None)
@@ -148,7 +147,7 @@ class SweepRunner:
                     place.store(result)
         except NoBatchFitsError as error:
             log(f"✗ No batch size fits for {label}: {error}")
-            used = None if self.settings.auto_adjust else self.settings.max_batch_size  # fixed: used anyway
+            used = None if self.settings.auto_adjust else self.settings.search.max_batch_size  # fixed: used anyway
             return {**record, **_failure_fields(error, used, limit, time.perf_counter() - started)}
         record.update(_result_fields(result, limit, time.perf_counter() - started))
         log(
@@ -175,34 +174,34 @@ class SweepRunner:
         settings = {
             "knobs": knobs,
             "limit_bytes": limit,
-            "min_batch_size": s.min_batch_size,
-            "max_batch_size": s.max_batch_size,
+            "min_batch_size": s.search.min_batch_size,
+            "max_batch_size": s.search.max_batch_size,
             "auto_adjust": s.auto_adjust,
-            "steps": s.steps,
-            "strategy": s.strategy,
+            "steps": s.search.steps,
+            "strategy": s.search.strategy,
             "max_trials": self._max_trials(),
         }
         return CachedSearch.make(self.cache, workload, dev, settings)
 
     def _max_trials(self) -> int | None:
-        if self.settings.max_trials is None and self.settings.strategy == "grow":
+        if self.settings.search.max_trials is None and self.settings.search.strategy == "grow":
             return GROW_MAX_TRIALS
-        return self.settings.max_trials
+        return self.settings.search.max_trials
 
     def _search(
         self, knobs: dict[str, Any], workload: Workload, dev: Any, limit: int | None, record: dict[str, Any]
     ) -> SearchResult:
         s = self.settings
         if not s.auto_adjust:
-            s.log(f"Checking the fixed batch size {s.max_batch_size} for {describe(knobs)}...")
-            return self._run_search(workload, dev, "binary", s.max_batch_size, knobs)
+            s.log(f"Checking the fixed batch size {s.search.max_batch_size} for {describe(knobs)}...")
+            return self._run_search(workload, dev, "binary", s.search.max_batch_size, knobs)
         guess, source = self._estimate(knobs, workload, dev, limit)
-        start = None if guess is None else min(max(guess, s.min_batch_size), s.max_batch_size or guess)
+        start = None if guess is None else min(max(guess, s.search.min_batch_size), s.search.max_batch_size or guess)
         if self.agreeing:  # every rank starts where the tightest one would
             start = distributed.agree_min(start or 0) or None
         record.update({"estimated": guess, "estimate_source": source, "starting_with": start})
         s.log(f"Finding optimal batch size for {describe(knobs)} (estimated: {guess}, starting with: {start})...")
-        return self._run_search(workload, dev, self._strategy(start), s.min_batch_size, knobs)
+        return self._run_search(workload, dev, self._strategy(start), s.search.min_batch_size, knobs)
 
     def _run_search(
         self, workload: Workload, dev: Any, strategy: str | Strategy, lowest: int, knobs: dict[str, Any]
@@ -217,22 +216,11 @@ class SweepRunner:
         def finished(trial: Trial) -> None:
             s.log(_trial_line(trial, label, dev.capacity_bytes()))
 
-        return search_workload(
-            workload,
-            device=dev,
-            min_batch_size=lowest,
-            max_batch_size=s.max_batch_size,
-            strategy=strategy,
-            margin=s.margin,
-            max_trials=self._max_trials(),
-            steps=s.steps,
-            on_trial=finished,
-            on_trial_start=starting,
-            trace=False,
-        )
+        search = s.search.replace(min_batch_size=lowest, strategy=strategy, max_trials=self._max_trials())
+        return search_workload(workload, search, device=dev, on_trial=finished, on_trial_start=starting)
 
     def _strategy(self, start: int | None) -> Strategy:
-        name = self.settings.strategy
+        name = self.settings.search.strategy
         if name == "auto":
             return Auto(guess=start)
         if name == "grow":
@@ -252,10 +240,12 @@ class SweepRunner:
                 model = CrossConfigModel.fit(self._measured(workload.mode, limit))
                 guess = model.predict_batch_size(knobs, limit) if model is not None else None
             elif source == "trace" and limit is not None and not TORCH.is_trace(dev):
-                traced = trace_estimate(workload, dev, limit, (s.min_batch_size, s.max_batch_size), s.steps)
+                traced = trace_estimate(
+                    workload, dev, limit, (s.search.min_batch_size, s.search.max_batch_size), s.search.steps
+                )
                 guess = traced["batch_size"] if traced is not None else None
             elif source == "rules" and s.rules is not None:
-                guess = s.rules.estimate(knobs, s.max_batch_size)
+                guess = s.rules.estimate(knobs, s.search.max_batch_size)
             if guess is not None:
                 return guess, source
         return None, None
