@@ -10,6 +10,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,16 +185,23 @@ def test_a_truncated_database_is_rebuilt_too(tmp_path):
     assert search_workload(build(), device="sim:1MiB", cache=tmp_path).trials == []
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root can write anywhere")
-def test_an_unwritable_cache_folder_turns_caching_off_without_failing(tmp_path, caplog):
+def _unwritable_folder(tmp_path):
+    """A folder no one may write into, root included: /proc where there is one (root ignores permissions)."""
+    if os.path.isdir("/proc") and hasattr(os, "geteuid") and os.geteuid() == 0:
+        return Path("/proc"), lambda: None
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
+    return locked, lambda: locked.chmod(0o700)
+
+
+def test_an_unwritable_cache_folder_turns_caching_off_without_failing(tmp_path, caplog):
+    locked, unlock = _unwritable_folder(tmp_path)
     try:
         with caplog.at_level(logging.WARNING, logger="batchfit"):
             result = search_workload(build(), device="sim:1MiB", cache=locked)
     finally:
-        locked.chmod(0o700)
+        unlock()
     assert result.trials and any("caching is off" in r.getMessage() for r in caplog.records)
 
 
@@ -205,10 +213,36 @@ def test_a_cache_folder_that_cannot_be_made_turns_caching_off_without_failing(tm
     assert result.trials and len(warnings) == 1 and "caching is off for this run" in warnings[0]
 
 
-def test_a_file_given_as_the_cache_folder_is_a_clear_error(tmp_path):
+def test_a_file_given_as_the_cache_folder_is_a_clear_error_where_the_cache_is_the_point(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file: give a folder"):
-        ResultCache(tmp_path / "file")
+        ResultCache(tmp_path / "file")  # what `batchfit cache list|clear` open
+
+
+@pytest.mark.parametrize("how", ["argument", "environment", "link to a file"])
+def test_a_file_as_the_cache_folder_never_stops_a_search(tmp_path, monkeypatch, caplog, how):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "file")
+    cache = {"argument": tmp_path / "file", "environment": True, "link to a file": tmp_path / "link"}[how]
+    monkeypatch.setenv("BATCHFIT_CACHE_DIR", str(tmp_path / "file"))
+    with caplog.at_level(logging.WARNING, logger="batchfit"):
+        result = search_workload(build(), device="sim:1MiB", cache=cache)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert result.trials and len(warnings) == 1 and "is a file" in warnings[0] and "caching is off" in warnings[0]
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_cache_dir_on_the_command_line_turns_the_cache_on(tmp_path):
+    from typer.testing import CliRunner
+
+    from batchfit.cli.app import app
+
+    command = ["find", "mlp", "--device", "sim:8MiB", "--no-trace", "--cache-dir", str(tmp_path), "--json"]
+    first = CliRunner().invoke(app, [*command, str(tmp_path / "first.json")])
+    second = CliRunner().invoke(app, [*command, str(tmp_path / "second.json")])
+    assert first.exit_code == 0 and second.exit_code == 0, (first.output, second.output)
+    assert json.loads((tmp_path / "first.json").read_text())["trials"]
+    assert json.loads((tmp_path / "second.json").read_text())["trials"] == []  # answered from the folder given
 
 
 def test_the_cache_folder_follows_the_environment(tmp_path, monkeypatch):

@@ -62,7 +62,10 @@ def find(
     max_trials: Annotated[int | None, typer.Option(help="Stop after this many trials.")] = None,
     trace: Annotated[bool, typer.Option(help="With --strategy auto, estimate the edge on fake tensors first.")] = True,
     cache: Annotated[
-        bool, typer.Option(help="Answer from the result cache when this very search ran before (0 trials).")
+        bool,
+        typer.Option(
+            help="Answer from the result cache when this very search ran before (0 trials); --cache-dir implies it."
+        ),
     ] = False,
     cache_dir: CacheDir = None,
     seq_len: SeqLen = None,
@@ -93,7 +96,7 @@ def find(
             margin=parse_margin(margin),
             max_trials=max_trials,
             trace=trace,
-            cache=(cache_dir or True) if cache else False,
+            cache=(cache_dir or True) if cache or cache_dir else False,  # a folder given asks for the cache
         )
     except KeyboardInterrupt:
         _interrupted(done, dev)

@@ -23,15 +23,18 @@ CacheSpec = ResultCache | bool | str | Path | None
 
 
 def open_cache(cache: CacheSpec) -> ResultCache | None:
-    """``False``/``None``: no cache; ``True``: the default folder; a path: that folder."""
+    """``False``/``None``: no cache; ``True``: the default folder; a path: that folder. A folder that
+    is a file (or a link to one) is one warning and no cache: a cache never stops a search."""
     if cache is None or cache is False:
         return None
-    if cache is True:
-        return ResultCache()
     if isinstance(cache, ResultCache):
         return cache
     check_cache(cache)
-    return ResultCache(cache)
+    try:
+        return ResultCache(None if cache is True else cache)
+    except ValueError as error:  # a file where the folder should be: the search runs, uncached (never stops)
+        logger.warning("batchfit: %s; caching is off for this run", error)
+        return None
 
 
 def check_cache(cache: Any) -> None:
