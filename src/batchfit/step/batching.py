@@ -164,6 +164,45 @@ def pad_sequences(batch: Any, length: int, *, value: int | float = 0) -> Any:
     return map_tensors(lambda tensor: pad(tensor, value), batch)
 
 
+def is_oversized_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view whose storage holds more than the view itself (``X[:8]`` of a
+    large ``X``): counting or keeping its storage would count or keep the whole ``X``.
+
+    >>> data = torch.zeros(100, 4)
+    >>> is_oversized_view(data[:8]), is_oversized_view(data), is_oversized_view(torch.zeros(1, 4).expand(8, 4))
+    (True, False, False)
+    """
+    return tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
+
+
+def compact_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or a copy holding only its own elements when it is an oversized view.
+
+    The copy is detached from the caller's tensor (gradients never flow back into it) and keeps
+    ``requires_grad``; the caller's tensor is never changed.
+    """
+    if not is_oversized_view(tensor):
+        return tensor
+    with torch.no_grad():
+        copy = tensor.clone()
+    return copy.requires_grad_() if tensor.requires_grad else copy
+
+
+def compact_batch(batch: Any) -> Any:
+    """``batch`` with every oversized view (see ``is_oversized_view``) replaced by a compact copy,
+    as ``.to("cuda")`` would copy only its rows; other tensors and leaves are kept as they are.
+
+    >>> data = torch.arange(1000.0).reshape(250, 4)
+    >>> small = compact_batch({"x": data[:2], "tag": "a"})
+    >>> small["x"].untyped_storage().nbytes(), small["tag"], compact_batch(data) is data
+    (32, 'a', True)
+    """
+    if not any(is_oversized_view(leaf) for leaf in tensor_leaves(batch)):
+        return batch  # nothing to copy: the very batch the user gave
+    return map_tensors(compact_tensor, batch)
+
+
 def move_batch(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor on ``device`` (tensors already there are kept as they are)."""
-    return map_tensors(lambda tensor: tensor.to(device), batch)
+    """``batch`` with every tensor on ``device``, holding only its own elements: tensors already
+    there are kept as they are, except oversized views, copied compactly (``compact_batch``)."""
+    return map_tensors(lambda tensor: compact_tensor(tensor.to(device)), batch)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from batchfit.step.batching import batch_length
+from batchfit.step.batching import compact_batch
 from batchfit.step.batching import tensor_leaves
 
 MODES = ("train", "eval", "generate")
@@ -88,10 +89,12 @@ class Workload:
     the gradients exist (as zeros) before the forward, so their memory is held through forward and
     backward, as in training with ``gradient_accumulation_steps > 1``.
 
-    Construction checks every field and converts exactly three, each documented on its field:
+    Construction checks every field and converts exactly four, each documented on its field:
     an optimizer factory is called once (``optimizer``), an AMP spelling such as ``"bf16"``
-    becomes its ``torch.dtype`` (``amp_dtype``), and a missing ``name`` becomes the model's class
-    name. Nothing else is changed, and the model, batch and optimizer passed in are never touched.
+    becomes its ``torch.dtype`` (``amp_dtype``), a sample tensor that is a view of a larger tensor
+    is kept as a compact copy of its own elements (``sample_batch``: only its rows count, as only
+    they reach a GPU), and a missing ``name`` becomes the model's class name. Nothing else is
+    changed, and the model, batch and optimizer passed in are never touched.
 
     >>> model = torch.nn.Linear(4, 2)
     >>> work = Workload(model, (torch.randn(8, 4), torch.randint(0, 2, (8,))),
@@ -105,7 +108,8 @@ class Workload:
     """The module a step trains (or evaluates); its parameters are restored after every probe."""
     sample_batch: Any
     """One real batch from the data loader: any nesting of tensors sharing a leading batch
-    dimension; batches of other sizes are built from its rows."""
+    dimension; batches of other sizes are built from its rows. A leaf that is a view of a larger
+    tensor (``X[:8]``) is kept as a copy of its own elements, so the rest of ``X`` is never counted."""
     loss_fn: LossFn | None = None
     """``loss_fn(output, targets)`` (or ``(output, batch)``) returning a scalar tensor, by the
     calling convention; ``None`` uses ``output.loss`` for a mapping batch."""
@@ -138,6 +142,7 @@ class Workload:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         self.amp_dtype = amp_dtype_of(self.amp_dtype)
         batch_length(self.sample_batch)  # a sample without one batch length fails here, naming the fix
+        self.sample_batch = compact_batch(self.sample_batch)  # a view of a larger tensor keeps only its rows
         if self.mode == "generate":
             _check_generation(self)
         if self.mode == "train" and not any(p.requires_grad for p in self.model.parameters()):
