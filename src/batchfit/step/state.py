@@ -2,6 +2,8 @@
 
 Parameters, buffers, ``.grad``s, optimizer state (``step`` counts included) and hyper-parameters,
 the RNG states (torch CPU and accelerators, Python, NumPy) and every module's train/eval flag.
+Parameters and buffers are put back by name too: a ``forward`` that reassigns one
+(``self.seen = self.seen + 1``) gets the original tensor object back in its slot.
 Copies live in host memory, never on the device being probed.
 """
 
@@ -45,6 +47,33 @@ class _SavedTensor:
     @classmethod
     def of(cls, tensor: torch.Tensor) -> _SavedTensor:
         return cls(tensor, tensor.device, _host_copy(tensor))
+
+
+_SLOT_KINDS = ("_parameters", "_buffers")
+
+
+@dataclass
+class _ModuleSlots:
+    """One module's parameter and buffer slots (name -> tensor object) and its non-persistent names."""
+
+    module: torch.nn.Module
+    slots: dict[str, dict[str, torch.Tensor | None]]
+    non_persistent: set[str]
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> _ModuleSlots:
+        slots = {kind: dict(getattr(module, kind)) for kind in _SLOT_KINDS}
+        return cls(module, slots, set(module._non_persistent_buffers_set))
+
+    def restore(self) -> None:
+        """The saved objects back under their names, in their order; names added since are dropped."""
+        for kind, saved in self.slots.items():
+            current = getattr(self.module, kind)
+            current.clear()
+            current.update(saved)
+        names = self.module._non_persistent_buffers_set
+        names.clear()
+        names.update(self.non_persistent)
 
 
 def _save_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
@@ -107,11 +136,22 @@ class StateSnapshot:
     >>> snapshot = StateSnapshot.take(model)
     >>> _ = model.weight.data.add_(1.0)
     >>> snapshot.restore()
+
+    A tensor reassigned on the module (as a ``forward`` may do) is put back by name:
+
+    >>> norm = torch.nn.BatchNorm1d(2)
+    >>> mean = norm.running_mean
+    >>> snapshot = StateSnapshot.take(norm)
+    >>> norm.running_mean = mean + 1
+    >>> snapshot.restore()
+    >>> norm.running_mean is mean, norm.running_mean.tolist()
+    (True, [0.0, 0.0])
     """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None
     tensors: list[_SavedTensor] = field(default_factory=list)
+    slots: list[_ModuleSlots] = field(default_factory=list)
     grads: list[tuple[torch.Tensor, tuple[torch.device, torch.Tensor] | None]] = field(default_factory=list)
     training: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
     optimizer_state: dict = field(default_factory=dict)
@@ -123,6 +163,7 @@ class StateSnapshot:
         snapshot = cls(model, optimizer)
         params = list(model.parameters())
         snapshot.tensors = [_SavedTensor.of(t) for t in [*params, *model.buffers()]]
+        snapshot.slots = [_ModuleSlots.of(module) for module in model.modules()]
         # Only the gradient's place and host copy: holding the tensor itself would pin its
         # device memory for as long as the snapshot lives.
         snapshot.grads = [(p, None if p.grad is None else (p.grad.device, _host_copy(p.grad))) for p in params]
@@ -134,6 +175,8 @@ class StateSnapshot:
 
     def restore(self) -> None:
         """Put everything back as it was when the snapshot was taken."""
+        for module_slots in self.slots:  # first the objects back in their slots, then their values
+            module_slots.restore()
         with torch.no_grad():
             for saved in self.tensors:
                 saved.tensor.copy_(saved.value)
