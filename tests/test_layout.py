@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +196,17 @@ def test_subpackages_import_by_their_path():
     for name in ["batchfit.search.strategies", "batchfit.sweep", "batchfit.sweep.api", "batchfit.planning.plan"]:
         assert importlib.import_module(name).__name__ == name
     assert importlib.import_module("batchfit.search") is sys.modules["batchfit.search"]
+
+
+def test_no_user_facing_text_names_the_internal_documents():
+    """Users never saw the documents the project was specified from: the package's code, docstrings, messages,
+    help and the README cite the paper or project, or state the rule."""
+    pattern = re.compile(r"\bseeds?\b\W*(?:s\W+)?0\d\d", re.IGNORECASE)
+    texts = [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.json"), PACKAGE.parents[1] / "README.md"]
+    found = [
+        f"{path.name}:{number}: {line.strip()}"
+        for path in texts
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == []
