@@ -398,3 +398,48 @@ def test_an_unwritable_json_path_fails_before_any_work(tmp_path, command):
     assert result.exit_code == 2
     assert f"folder {missing.parent} does not exist" in result.output
     assert len(result.output.strip().splitlines()) == 1  # the error alone: nothing was measured or printed first
+
+
+def plan_answers(capacity: str, margin: int | str) -> tuple[int, int]:
+    """The plain search's answer for ``mlp`` and, capped at it, the search's with gradients held."""
+    import dataclasses
+
+    import batchfit as bf
+    from batchfit.cli.workloads import load_workload
+
+    work = load_workload("mlp")
+    plain = bf.search_workload(work, device=bf.SimulatedDevice(capacity), margin=margin).batch_size
+    held = bf.search_workload(
+        dataclasses.replace(work, accumulating=True),
+        device=bf.SimulatedDevice(capacity),
+        margin=margin,
+        max_batch_size=plain,
+    ).batch_size
+    return plain, held
+
+
+@pytest.mark.parametrize("margin", [0, "512KiB"])
+def test_plan_on_a_workload_uses_the_micro_batch_measured_with_the_gradients_held(tmp_path, margin):
+    plain, held = plan_answers("8MiB", margin)
+    assert held < plain  # on this capacity the held gradients make a difference
+    out = tmp_path / "plan.json"
+    options = ["--margin", str(margin)] if margin else []
+    result = invoke(
+        "plan", "mlp", "--device", "sim:8MiB", "--global-batch-size", str(4 * held), *options, "--json", str(out)
+    )
+    assert result.exit_code == 0, result.output
+    configuration = json.loads(out.read_text())["batch_configuration"]
+    assert configuration["per_gpu_batch_size"] == held and configuration["gradient_accumulation_steps"] == 4
+    assert configuration["max_micro_batch_size"] == held
+    assert f"the largest micro-batch is {plain}." in result.output
+    assert f"with the accumulation window's gradients held: the largest micro-batch is {held}." in " ".join(
+        result.output.split()
+    )
+
+
+def test_plan_margin_reaches_the_search():
+    assert plan_answers("8MiB", "512KiB")[0] < plan_answers("8MiB", 0)[0]
+    plain = plan_answers("8MiB", "512KiB")[0]
+    result = invoke("plan", "mlp", "--device", "sim:8MiB", "--global-batch-size", str(plain), "--margin", "512KiB")
+    assert result.exit_code == 0, result.output
+    assert f"the largest micro-batch is {plain}." in result.output and "gradients held" not in result.output

@@ -190,7 +190,7 @@ def test_the_sizes_set_are_the_librarys_answers_and_the_trainer_trains_and_evalu
     trainer = make_trainer(tmp_path, build, **options)
     trainer.model.eval()  # as from_pretrained leaves it: the probe must still train with dropout, as train() will
     with caplog.at_level(logging.INFO, logger="batchfit"):
-        fit = fit_trainer(trainer, device=bf.SimulatedDevice(capacity), **QUICK)
+        fit = fit_trainer(trainer, device=bf.SimulatedDevice(capacity), margin=0, **QUICK)  # as library_answers
     assert not trainer.model.training
     # The global batch does not fit at once, so the micro-batch is measured as an accumulation
     # micro-step: with the gradients alive during the forward pass, it is smaller (see the end).
@@ -426,3 +426,25 @@ def test_import_batchfit_does_not_import_transformers_and_a_missing_one_says_how
     monkeypatch.delitem(sys.modules, "batchfit.integrations.transformers")
     with pytest.raises(ImportError, match=r"pip install 'batchfit\[transformers\]'"):
         import batchfit.integrations.transformers  # noqa: F401
+
+
+# -- the headroom kept for the Trainer's loop ------------------------------------------------------
+
+
+def test_by_default_two_mib_are_kept_for_the_trainers_loop_and_margin_0_keeps_none(tmp_path):
+    capacity = bf.SimulatedDevice("1GiB").capacity_bytes()
+    fit = cheap_fit(make_trainer(tmp_path))
+    assert fit.search.limit_bytes == fit.one_step_search.limit_bytes == capacity - 2 * 2**20
+    assert fit.eval_search.limit_bytes == capacity - 2 * 2**20
+    fit = cheap_fit(make_trainer(tmp_path), margin=0)
+    assert fit.search.limit_bytes == fit.eval_search.limit_bytes == capacity
+
+
+def test_the_trainer_really_trains_at_the_size_found_with_the_default_headroom(tmp_path):
+    capacity = "3200KiB"
+    trainer = make_trainer(tmp_path, per_device=GLOBAL, accumulation=1, eval_rows=0)
+    fit = fit_trainer(trainer, device=bf.SimulatedDevice(capacity), max_batch_size=GLOBAL, **QUICK)
+    assert fit.one_step_search.batch_size < GLOBAL  # the device's edge, not the cap, set it
+    trainer.data_collator.sizes.clear()
+    assert in_capacity(trainer, capacity, trainer.train).global_step == 3
+    assert set(trainer.data_collator.sizes) == {fit.micro_batch_size}

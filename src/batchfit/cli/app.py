@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -373,26 +375,32 @@ def plan(
         str | None, typer.Option(help="gpt2, bert, llama or resnet50-imagenet: a typical target if none is given.")
     ] = None,
     device: Annotated[str, typer.Option(help="Where to measure the micro-batch, with WORKLOAD.")] = "auto",
+    margin: Annotated[
+        str, typer.Option(help="Headroom kept when measuring: bytes, a size like 512MiB, or a fraction like 0.05.")
+    ] = "0",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write BatchPlan.to_dict() here.")] = None,
     debug: Debug = False,
 ) -> None:
-    """Plan micro-batch, accumulation, learning rate and warmup for a global batch on N devices."""
+    """Plan micro-batch, accumulation, learning rate and warmup for a global batch on N devices.
+
+    With WORKLOAD the micro-batch is measured; when the plan accumulates, it is measured again with
+    the window's gradients held through forward and backward (as a later micro-batch runs), and
+    the plan uses that answer."""
     from batchfit.planning.plan import plan_batch
 
-    measured = None
     if workload is not None and micro_batch_size is not None:
         raise ValueError("give either --micro-batch-size N or a WORKLOAD to measure it on, not both")
     check_outputs(json_path)
+    settings = SearchSettings(margin=parse_margin(margin))  # checked before any work
+    work = dev = None
     if workload is not None:
         work = load_workload(workload, framework=None, seq_len=seq_len, only_accepted=True)
-        with console.status("Measuring the largest micro-batch", spinner="dots"):
-            measured = search_workload(work, device=device_for(work, device))
-        micro_batch_size = measured.batch_size
-        console.print(f"Measured on {measured.device}: the largest micro-batch is {micro_batch_size}.", highlight=False)
+        dev = device_for(work, device)
+        micro_batch_size = _measure_micro_batch(work, dev, settings, accumulating=False)
     if micro_batch_size is None:
         raise ValueError("give --micro-batch-size N, or a WORKLOAD to measure it on")
-    result = plan_batch(
-        micro_batch_size=micro_batch_size,
+    planning = functools.partial(
+        plan_batch,
         global_batch_size=global_batch_size,
         global_batch_tokens=global_batch_tokens,
         seq_len=seq_len,
@@ -408,9 +416,27 @@ def plan(
         goal=goal.value if goal else None,
         model_family=model_family,
     )
+    result = planning(micro_batch_size=micro_batch_size)
+    if work is not None and result.gradient_accumulation_steps > 1:  # later micro-batches hold the gradients
+        held = _measure_micro_batch(work, dev, settings.replace(max_batch_size=micro_batch_size), accumulating=True)
+        result = planning(micro_batch_size=held)
     _print_plan(result)
     if json_path is not None:
         write_json(json_path, result.to_dict())
+
+
+def _measure_micro_batch(work: Any, dev: Any, settings: SearchSettings, *, accumulating: bool) -> int:
+    """The largest micro-batch of ``work`` on ``dev``, as one plain step or, with ``accumulating``,
+    as a later micro-batch of an accumulation window (the gradients held); printed."""
+    held = " with the accumulation window's gradients held" if accumulating else ""
+    if accumulating:
+        work = dataclasses.replace(work, accumulating=True)
+    with console.status(f"Measuring the largest micro-batch{held}", spinner="dots"):
+        measured = search_workload(work, settings, device=dev)
+    console.print(
+        f"Measured on {measured.device}{held}: the largest micro-batch is {measured.batch_size}.", highlight=False
+    )
+    return measured.batch_size
 
 
 def _print_plan(result: Any) -> None:

@@ -31,6 +31,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only where lightning is missing
     raise ImportError("batchfit's Lightning integration needs Lightning: pip install 'batchfit[lightning]'") from error
 
+from batchfit.integrations.result import LOOP_HEADROOM
 from batchfit.integrations.result import FitResult
 from batchfit.integrations.result import deprecated_alias
 from batchfit.integrations.result import search_and_plan
@@ -43,10 +44,6 @@ from batchfit.step.workload import Workload
 logger = logging.getLogger("batchfit")
 
 PRECISION_AMP = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-# Lightning's loop holds a few small tensors the module's step does not (logged values, the
-# closure's loss: 2 KiB at any batch size, measured on the simulated device); on CUDA they land in
-# a 2 MiB small-block segment of the caching allocator, so that is the headroom kept by default.
-LOOP_HEADROOM = "2MiB"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,13 @@ from batchfit.search.runner import DeviceSpec
 from batchfit.search.runner import search_workload
 from batchfit.search.settings import SearchSettings
 
-__all__ = ["FitResult", "deprecated_alias", "plan_global_batch", "search_and_plan"]
+__all__ = ["LOOP_HEADROOM", "FitResult", "deprecated_alias", "plan_global_batch", "search_and_plan"]
+
+# A framework's training loop holds a few small tensors the step batchfit probes does not (logged
+# values, the closure's loss: Lightning's about 2 KiB, the Transformers Trainer's about 3 KiB, at any
+# batch size, measured on the simulated device); on CUDA they land in a 2 MiB small-block segment
+# of the caching allocator, so both integrations keep that much headroom by default.
+LOOP_HEADROOM = "2MiB"
 
 
 @dataclass(frozen=True)

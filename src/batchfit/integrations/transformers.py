@@ -34,6 +34,7 @@ except ImportError as error:  # pragma: no cover - exercised only where transfor
         "batchfit's Transformers integration needs transformers and accelerate: pip install 'batchfit[transformers]'"
     ) from error
 
+from batchfit.integrations.result import LOOP_HEADROOM
 from batchfit.integrations.result import FitResult
 from batchfit.integrations.result import deprecated_alias
 from batchfit.integrations.result import search_and_plan
@@ -330,7 +331,7 @@ def fit_trainer(
     *,
     global_batch_size: int | None = None,
     device: DeviceSpec = None,
-    margin: int | float | str = 0,
+    margin: int | float | str = LOOP_HEADROOM,
     max_batch_size: int | None = None,
     longest_seq_len: int | None = None,
     fit_eval: bool = True,
@@ -352,9 +353,10 @@ def fit_trainer(
     search holds the optimizer's training state and measures one forward pass (predictions kept
     on the device for ``compute_metrics`` are not in it: ``eval_accumulation_steps`` moves them).
     The train search stops at a device's share of the global batch, the eval search at its share
-    of the eval set; ``max_batch_size`` lowers both. ``device`` is where trials run; ``margin`` and
-    ``search_options`` (``strategy``, ``min_batch_size``, ``steps``, ``trace``, ...) are ``SearchSettings``
-    fields, checked before any trial. The result is a ``TrainerFit``; ``longest_seq_len`` pads
+    of the eval set; ``max_batch_size`` lowers both. ``device`` is where trials run; ``margin``
+    (default ``LOOP_HEADROOM``, 2 MiB: the Trainer's loop holds a few KiB of tensors its step does
+    not, as Lightning's does; ``margin=0`` keeps none) and ``search_options`` (``strategy``,
+    ``min_batch_size``, ``steps``, ``trace``, ...) are ``SearchSettings`` fields, checked before any trial. The result is a ``TrainerFit``; ``longest_seq_len`` pads
     the sample to the longest sequence of the run. Ranks of a process group agree on one size.
     The model, optimizer state, RNG states and ``trainer.optimizer`` are left as they were; the
     learning rate is not changed. ``log_plan`` adds a ``BatchFitCallback`` (replacing an earlier one).
