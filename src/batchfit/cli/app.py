@@ -46,6 +46,7 @@ from batchfit.search.runner import traces_first
 from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import STRATEGIES
 from batchfit.search.trial import Trial
+from batchfit.step.workload import Workload
 
 
 @app.command(
@@ -417,7 +418,8 @@ def plan(
         model_family=model_family,
     )
     result = planning(micro_batch_size=micro_batch_size)
-    if work is not None and result.gradient_accumulation_steps > 1:  # later micro-batches hold the gradients
+    # Later micro-batches of a window hold the gradients: measured so for torch workloads (MLX measures one step).
+    if isinstance(work, Workload) and result.gradient_accumulation_steps > 1:
         held = _measure_micro_batch(work, dev, settings.replace(max_batch_size=micro_batch_size), accumulating=True)
         result = planning(micro_batch_size=held)
     _print_plan(result)
