@@ -20,7 +20,7 @@ import pytest
 from filelock import FileLock  # installed with torch
 
 # Cheapest first; Lightning last, as it owns the process group it finds for the rest of the launch.
-CHECKS = ("ddp_accumulation", "ddp_agreement", "ddp_noise", "ddp_sweep", "ddp_lightning")
+CHECKS = ("ddp_accumulation", "ddp_agreement", "ddp_raised_trial", "ddp_noise", "ddp_sweep", "ddp_lightning")
 LAUNCH_TIMEOUT_SECONDS = 300
 
 _launched: dict[str, Path] = {}

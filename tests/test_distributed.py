@@ -17,8 +17,12 @@ from ddp_launch import ddp_output
 from ddp_launch import free_port
 from models import decoder
 
-# The torchrun checks (ddp_agreement.py, ddp_sweep.py, ddp_noise.py) run in one launch shared with
-# test_accumulate.py's and test_lightning.py's (ddp_suite.py); each test reads its check's output.
+# The torchrun checks (ddp_agreement.py, ddp_raised_trial.py, ddp_sweep.py, ddp_noise.py) run in one
+# launch shared with test_accumulate.py's and test_lightning.py's (ddp_suite.py); each test reads its
+# check's output. The checks that leave a rank behind (ddp_dead_rank.py, ddp_raising_rank.py) start
+# their own two processes: their process group cannot be used after that.
+
+AGREEMENT_TIMEOUT_SECONDS = 5  # how long a rank waits in an agreement for a rank that stopped
 
 
 def test_ranks_agree_on_the_size_and_shrink_together(tmp_path_factory):
@@ -41,37 +45,69 @@ def test_merging_trials_keeps_the_worst_case():
     pytest.importorskip("torch.distributed")
 
 
-def test_a_rank_that_dies_makes_the_other_fail_clearly_within_the_timeout(tmp_path):
-    out = tmp_path / "dead.json"
-    script = str(Path(__file__).with_name("ddp_dead_rank.py"))
+def _start_two_ranks(script: str, *arguments: str) -> list[subprocess.Popen]:
+    """``tests/SCRIPT ARGUMENTS...`` as ranks 0 and 1 of a gloo group (env:// rendezvous, no
+    torchrun: no agent stops a rank when the other fails), agreeing with a 5 s timeout."""
     base = {
         **os.environ,
         "GLOO_SOCKET_IFNAME": "lo",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": "2",
-        "BATCHFIT_AGREEMENT_TIMEOUT_SECONDS": "5",
+        "BATCHFIT_AGREEMENT_TIMEOUT_SECONDS": str(AGREEMENT_TIMEOUT_SECONDS),
     }
-    ranks = [
+    path = str(Path(__file__).with_name(script))
+    return [
         subprocess.Popen(
-            [sys.executable, script, str(out)],
+            [sys.executable, path, *arguments],
             env={**base, "RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
         for rank in (0, 1)
     ]
+
+
+def _exit_codes(ranks: list[subprocess.Popen]) -> list[int]:
     try:
-        codes = [process.wait(timeout=120) for process in ranks]
+        return [process.wait(timeout=120) for process in ranks]
     finally:
         for process in ranks:
             process.kill()
+
+
+def test_a_rank_that_dies_makes_the_other_fail_clearly_within_the_timeout(tmp_path):
+    out = tmp_path / "dead.json"
+    codes = _exit_codes(_start_two_ranks("ddp_dead_rank.py", str(out)))
     assert codes[1] == 3
     outcome = json.loads(out.read_text())
     assert (
         outcome["error"] is not None and "batchfit: a rank did not reach the batch-size agreement" in outcome["error"]
     )
     assert outcome["seconds"] < 60
+
+
+def test_a_rank_that_raises_and_stays_alive_is_named_by_the_other_within_the_timeout(tmp_path):
+    out = tmp_path / "raised"
+    assert _exit_codes(_start_two_ranks("ddp_raising_rank.py", str(out), str(free_port()))) == [0, 0]
+    for raiser in (0, 1):  # rank 0 raises while rank 1 waits, then the reverse
+        mine, theirs = (json.loads(Path(f"{out}.{raiser}.{rank}").read_text()) for rank in (raiser, 1 - raiser))
+        assert mine["error"] == f"ValueError: a bad batch of 64 on rank {raiser}"  # its own error, unchanged
+        named = (f"rank {raiser} stopped agreeing", f"rank {raiser}'s trial of batch size 64 raised ValueError")
+        assert theirs["error"].startswith("RuntimeError: batchfit: ") and any(n in theirs["error"] for n in named)
+        assert theirs["ended"] - mine["ended"] < AGREEMENT_TIMEOUT_SECONDS + 10  # not the process group's 30 min
+
+
+def test_a_trial_that_raises_on_one_rank_stops_the_others_at_once_naming_it(tmp_path_factory):
+    out = ddp_output("ddp_raised_trial", tmp_path_factory) / "out"
+    first, second = json.loads(out.read_text())
+    named = "RuntimeError: batchfit: rank {}'s trial of batch size 8 raised ValueError (a bad batch of 8 on rank {}), so rank {} stops"
+    assert first["zero"] == "ValueError: a bad batch of 8 on rank 0"  # the raising rank's own error propagates
+    assert second["zero"].startswith(named.format(0, 0, 1))
+    assert first["one"].startswith(named.format(1, 1, 0))
+    assert second["one"] == "ValueError: a bad batch of 8 on rank 1"
+    assert first["both"] == "ValueError: a bad batch of 8 on rank 0" and second["both"].endswith("on rank 1")
+    assert first["none"] == second["none"] == "fits, peak 101"  # still in step: the worst peak of both ranks
 
 
 def test_a_sweep_under_torchrun_agrees_writes_once_and_caches(tmp_path_factory):

@@ -1,17 +1,28 @@
 """Agreement across ranks with torch.distributed, so that every rank tries the same sizes and
-shrinks together: no rank is ever left waiting in a collective the others will not join."""
+shrinks together: no rank is ever left waiting in a collective the others will not join.
+
+Every agreement of a search waits at most ``agreement_timeout()`` for the other ranks, whatever
+stopped them (an error they caught, a hang, an exit), and then names them. A rank whose trial
+raises says so in the agreement of that trial (``probe_together``), so the others stop at once
+with its error in theirs."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import pickle
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 
 from batchfit.search.trial import Trial
 
 TIMEOUT_VARIABLE = "BATCHFIT_AGREEMENT_TIMEOUT_SECONDS"  # default 120
+
+logger = logging.getLogger("batchfit")
 
 
 def agreement_timeout() -> timedelta:
@@ -39,13 +50,41 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _reduce(value: int, op_name: str, check: bool = True) -> int:
+def _others() -> str:
+    """The ranks but this one, as an error names them: ``rank 0``, or ``one of ranks 0, 2, 3``."""
     import torch.distributed as dist
 
-    if check:
-        _fail_fast_if_a_rank_is_gone()
+    others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
+    return f"rank {others[0]}" if len(others) == 1 else "one of ranks " + ", ".join(map(str, others))
+
+
+def _wait(work: Any) -> None:
+    """Wait for the collective ``work`` at most ``agreement_timeout()``; then a ``RuntimeError``
+    naming the ranks that did not join it (the process group is unusable after that)."""
+    import torch.distributed as dist
+
+    timeout = agreement_timeout()
+    try:
+        work.wait(timeout)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"batchfit: a rank did not reach the batch-size agreement within {timeout.total_seconds():g} s "
+            f"({TIMEOUT_VARIABLE}): {_others()} stopped agreeing (it raised, hangs or left: its own log "
+            f"says which), so rank {dist.get_rank()} stops too; this process group cannot be used any more "
+            f"({str(error).strip()})"
+        ) from error
+
+
+def _reduce(value: int, op_name: str, bounded: bool = True) -> int:
+    """``value`` reduced over the ranks by ``op_name``; ``bounded``: waiting at most ``agreement_timeout()``."""
+    import torch.distributed as dist
+
     tensor = torch.tensor([value], dtype=torch.int64, device=_device())
-    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op_name))
+    op = getattr(dist.ReduceOp, op_name)
+    if bounded:
+        _wait(dist.all_reduce(tensor, op=op, async_op=True))
+    else:
+        dist.all_reduce(tensor, op=op)
     return int(tensor.item())
 
 
@@ -55,8 +94,43 @@ def agree_min(value: int) -> int:
 
 
 def any_rank(flag: bool) -> bool:
-    """True when ``flag`` is true on any rank (an OOM anywhere means everyone shrinks)."""
-    return bool(_reduce(int(flag), "MAX", check=False))  # once per training step: no extra barrier
+    """True when ``flag`` is true on any rank (an OOM anywhere means everyone shrinks). Once per
+    training step, where ranks may legitimately be far apart (one saves a checkpoint, say): it
+    waits as long as the process group's own timeout, not ``agreement_timeout()``."""
+    return bool(_reduce(int(flag), "MAX", bounded=False))
+
+
+def _gather(payload: object) -> list[Any]:
+    """Every rank's ``payload`` (picklable), in rank order; each of the two collectives waits at
+    most ``agreement_timeout()``."""
+    import torch.distributed as dist
+
+    device, world = _device(), dist.get_world_size()
+    data = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8).to(device)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    _wait(dist.all_gather(lengths, length, async_op=True))
+    sizes = [int(n.item()) for n in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    _wait(dist.all_gather(gathered, padded, async_op=True))
+    return [pickle.loads(t[:size].cpu().numpy().tobytes()) for t, size in zip(gathered, sizes, strict=True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Raised:
+    """What a rank whose trial raised (not out of memory) says in that trial's agreement."""
+
+    rank: int
+    batch_size: int
+    error: str  # "ValueError (its message's first line)"
+
+    @classmethod
+    def of(cls, batch_size: int, error: BaseException) -> _Raised:
+        lines = str(error).strip().splitlines()
+        named = f"{type(error).__name__} ({lines[0][:200]})" if lines else type(error).__name__
+        return cls(rank(), batch_size, named)
 
 
 def _merge(trials: list[Trial]) -> Trial:
@@ -83,26 +157,43 @@ def _merge(trials: list[Trial]) -> Trial:
     )
 
 
+def _raise_for(raised: list[_Raised]) -> None:
+    first = raised[0]
+    raise RuntimeError(
+        f"batchfit: rank {first.rank}'s trial of batch size {first.batch_size} raised {first.error}, "
+        f"so rank {rank()} stops the batch-size search too"
+    )
+
+
 def agree_trial(trial: Trial) -> Trial:
-    """Every rank's outcome of the same trial, merged identically on all ranks."""
-    import torch.distributed as dist
+    """Every rank's outcome of the same trial, merged identically on all ranks; a ``RuntimeError``
+    naming the rank and its error when a rank's trial raised (see ``probe_together``)."""
+    outcomes = _gather(trial)
+    raised = [o for o in outcomes if isinstance(o, _Raised)]
+    if raised:
+        _raise_for(raised)
+    return _merge(outcomes)
 
-    _fail_fast_if_a_rank_is_gone()
-    gathered: list[Trial | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, trial)
-    return _merge([t for t in gathered if t is not None])
+
+def report_failed_trial(batch_size: int, error: BaseException) -> None:
+    """Tell the other ranks, in the agreement they wait in for this trial, that this rank's trial
+    raised ``error``: they raise a ``RuntimeError`` naming this rank and the error, and the caller
+    re-raises ``error``. Never raises itself: when the others cannot be told, a warning says so."""
+    try:
+        _gather(_Raised.of(batch_size, error))
+    except RuntimeError as failure:
+        logger.warning("batchfit: could not tell the other ranks that this rank's trial raised: %s", failure)
 
 
-def _fail_fast_if_a_rank_is_gone() -> None:
-    """With gloo, a rank that died is named within ``agreement_timeout()`` instead of a hang
-    (NCCL has no monitored barrier: there the process group's own timeout applies)."""
-    import torch.distributed as dist
-
-    if dist.get_backend() == "gloo":
-        try:
-            dist.monitored_barrier(timeout=agreement_timeout())
-        except RuntimeError as error:
-            raise RuntimeError(f"batchfit: a rank did not reach the batch-size agreement: {error}") from error
+def probe_together(probe: Callable[[int], Trial], batch_size: int) -> Trial:
+    """``probe(batch_size)`` on every rank, merged by ``agree_trial``; when it raises here, the other
+    ranks learn it in this trial's agreement (and stop) before the error propagates."""
+    try:
+        trial = probe(batch_size)
+    except Exception as error:
+        report_failed_trial(batch_size, error)
+        raise
+    return agree_trial(trial)
 
 
 def average_gradients(model: torch.nn.Module) -> None:

@@ -1,0 +1,47 @@
+"""Run for test_distributed.py under torchrun (2 ranks, gloo; by ddp_suite.py with the other checks,
+or alone). A trial that raises on one rank (not out of memory) is said in that trial's agreement:
+the other rank stops at once with an error naming it, and no collective is left half-joined."""
+
+import json
+import sys
+
+import torch.distributed as dist
+
+from batchfit.search import distributed
+from batchfit.search.trial import Trial
+
+
+def _probe_raising_on(raisers: set[int], rank: int):
+    def probe(batch_size: int) -> Trial:
+        if rank in raisers:
+            raise ValueError(f"a bad batch of {batch_size} on rank {rank}")
+        return Trial(batch_size, True, 100 + rank, 0.1, steps=2)
+
+    return probe
+
+
+def _outcome(raisers: set[int], rank: int) -> str:
+    """How ``probe_together`` ended on this rank when the trial raised on ``raisers``."""
+    try:
+        trial = distributed.probe_together(_probe_raising_on(raisers, rank), 8)
+    except (ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return f"fits, peak {trial.peak_bytes}"
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    result = {name: _outcome(raisers, rank) for name, raisers in (("zero", {0}), ("one", {1}), ("both", {0, 1}))}
+    result["none"] = _outcome(set(), rank)  # the group is still in step after the failed trials
+    results = [None, None]
+    dist.all_gather_object(results, result)
+    if rank == 0:
+        with open(sys.argv[1], "w") as handle:
+            json.dump(results, handle)
+    dist.barrier()  # both ranks done before either tears down: gloo aborts on a one-sided teardown
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
