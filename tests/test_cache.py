@@ -110,27 +110,6 @@ def test_a_changed_fingerprint_misses_end_to_end(tmp_path):
     assert len(ResultCache(tmp_path).entries()) == 2
 
 
-FINGERPRINT_SCRIPT = """
-from batchfit.cli.examples import gpt_tiny
-from batchfit.search.fingerprint import fingerprint, fingerprint_fields
-import batchfit as bf
-print(fingerprint(fingerprint_fields(gpt_tiny(), bf.SimulatedDevice("64MiB"), {})))
-"""
-
-
-def test_the_fingerprint_is_the_same_in_another_process():
-    procs = [  # two processes at once (each with its own hash seed), while this one computes its own
-        subprocess.Popen([sys.executable, "-c", FINGERPRINT_SCRIPT], stdout=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
-    from batchfit.cli.examples import gpt_tiny
-
-    here = fingerprint(fingerprint_fields(gpt_tiny(), bf.SimulatedDevice("64MiB"), {}))
-    runs = [proc.communicate(timeout=120)[0] for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0]
-    assert runs[0].strip() == runs[1].strip() == here
-
-
 HAMMER = """
 import sys, random
 from batchfit.search.cache import ResultCache

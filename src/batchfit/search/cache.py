@@ -5,12 +5,14 @@ The cache lives in ``$BATCHFIT_CACHE_DIR``, else the user cache folder (``$XDG_C
 processes may read and write it at once (SQLite's locking, a busy timeout, one statement per
 write). A cache file that is not a database, or is damaged, is reported in one line and rebuilt;
 one that cannot be opened at all turns caching off for the run. A cache problem never stops a
-search.
+search. Every row carries a checksum of its answer: a row edited by hand, or stored by a build
+without checksums, is a miss (and is measured again), never served.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -25,12 +27,13 @@ from typing import Any
 
 logger = logging.getLogger("batchfit")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: rows carry a checksum (version 1's rows are kept, and miss)
 FILE_NAME = "results.sqlite"
 BUSY_TIMEOUT_SECONDS = 30.0
 _SCHEMA = """CREATE TABLE IF NOT EXISTS results (
     key TEXT PRIMARY KEY, created REAL NOT NULL, label TEXT NOT NULL, device TEXT NOT NULL,
-    batch_size INTEGER, fields TEXT NOT NULL, result TEXT NOT NULL)"""
+    batch_size INTEGER, fields TEXT NOT NULL, result TEXT NOT NULL, checksum TEXT)"""
+_COLUMNS = "key, created, label, device, batch_size, result, checksum"
 
 
 def default_cache_dir() -> Path:
@@ -42,6 +45,26 @@ def default_cache_dir() -> Path:
     if sys.platform == "win32" and os.environ.get("LOCALAPPDATA"):
         return Path(os.environ["LOCALAPPDATA"]) / "batchfit" / "Cache"
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchfit"
+
+
+def _upgrade(connection: sqlite3.Connection) -> None:
+    """Bring a new (version 0) or version-1 file to ``SCHEMA_VERSION``, in one transaction, so two
+    processes opening it at once upgrade it once. Version 1's rows get no checksum: they miss."""
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        version = connection.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (0, 1, SCHEMA_VERSION):
+            raise sqlite3.DatabaseError(f"schema version {version}, this batchfit writes {SCHEMA_VERSION}")
+        if version == 0:
+            connection.execute(_SCHEMA)
+        elif version == 1:
+            connection.execute("ALTER TABLE results ADD COLUMN checksum TEXT")
+        connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        connection.execute("COMMIT")
+    except BaseException:
+        if connection.in_transaction:
+            connection.execute("ROLLBACK")
+        raise
 
 
 @dataclass(frozen=True)
@@ -56,9 +79,22 @@ class CacheEntry:
     result: dict[str, Any]
 
 
+def checksum(key: str, batch_size: int | None, result_text: str) -> str:
+    """The SHA-256 of a row's answer (its key, batch size and stored result text), as canonical JSON.
+
+    >>> checksum("k", 8, '{"batch_size": 8}') == checksum("k", 8, '{"batch_size": 9}')
+    False
+    """
+    text = json.dumps([key, batch_size, result_text], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _entries(rows: list[tuple]) -> list[CacheEntry]:
+    """The rows whose checksum holds and whose result reads as JSON, as entries."""
     entries = []
-    for key, created, label, device, batch_size, result in rows:
+    for key, created, label, device, batch_size, result, stored_checksum in rows:
+        if stored_checksum != checksum(key, batch_size, result):
+            continue
         with contextlib.suppress(ValueError):
             entries.append(CacheEntry(key, created, label, device, batch_size, json.loads(result)))
     return entries
@@ -86,29 +122,26 @@ class ResultCache:
     # -- reading and writing ---------------------------------------------------------------------
 
     def get(self, key: str) -> CacheEntry | None:
-        """The entry stored under ``key``, or ``None``."""
-        rows = self._run("SELECT key, created, label, device, batch_size, result FROM results WHERE key = ?", (key,))
+        """The entry stored under ``key``, or ``None``: also when the row fails its checksum (edited
+        by hand, damaged, or stored without one), which then goes."""
+        rows = self._run(f"SELECT {_COLUMNS} FROM results WHERE key = ?", (key,))
         entries = _entries(rows or [])
         if rows and not entries:  # a damaged row is a miss, and goes
+            if rows[0][-1] is not None:
+                logger.info("batchfit: the cached answer %s failed its checksum; measuring again", key[:12])
             self._run("DELETE FROM results WHERE key = ?", (key,))
         return entries[0] if entries else None
 
     def put(self, key: str, result: dict[str, Any], *, label: str, device: str, fields: dict[str, Any]) -> None:
-        """Store ``result`` (JSON-ready) under ``key``, replacing what was there."""
-        row = (
-            key,
-            time.time(),
-            label,
-            device,
-            result.get("batch_size"),
-            json.dumps(fields, default=repr),
-            json.dumps(result, default=repr),
-        )
-        self._run("INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+        """Store ``result`` (JSON-ready) under ``key`` with its checksum, replacing what was there."""
+        batch_size, text = result.get("batch_size"), json.dumps(result, default=repr)
+        fields_text = json.dumps(fields, default=repr)
+        row = (key, time.time(), label, device, batch_size, fields_text, text, checksum(key, batch_size, text))
+        self._run("INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
 
     def entries(self) -> list[CacheEntry]:
-        """Every stored result, oldest first."""
-        rows = self._run("SELECT key, created, label, device, batch_size, result FROM results ORDER BY created")
+        """Every stored result that passes its checksum, oldest first."""
+        rows = self._run(f"SELECT {_COLUMNS} FROM results ORDER BY created")
         return _entries(rows or [])
 
     def clear(self) -> int:
@@ -142,11 +175,8 @@ class ResultCache:
         connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None)
         try:
             version = connection.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION):
-                raise sqlite3.DatabaseError(f"schema version {version}, this batchfit writes {SCHEMA_VERSION}")
-            if version == 0:
-                connection.execute(_SCHEMA)
-                connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            if version != SCHEMA_VERSION:
+                _upgrade(connection)
             yield connection
         finally:
             connection.close()

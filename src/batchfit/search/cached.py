@@ -12,6 +12,7 @@ from typing import Any
 from batchfit.devices.base import Device
 from batchfit.search.cache import CacheEntry
 from batchfit.search.cache import ResultCache
+from batchfit.search.fingerprint import NotFingerprintable
 from batchfit.search.fingerprint import fingerprint
 from batchfit.search.fingerprint import fingerprint_fields
 from batchfit.search.result import SearchResult
@@ -53,8 +54,16 @@ class CachedSearch:
     label: str
 
     @classmethod
-    def make(cls, cache: ResultCache, workload: Workload, device: Device, settings: Mapping[str, Any]) -> CachedSearch:
-        fields = fingerprint_fields(workload, device, settings)
+    def make(
+        cls, cache: ResultCache, workload: Workload, device: Device, settings: Mapping[str, Any]
+    ) -> CachedSearch | None:
+        """The search's place in ``cache``, or ``None`` (one warning: the search runs uncached) when
+        its loss or step sees a value the fingerprint cannot represent: a wrong answer is worse than none."""
+        try:
+            fields = fingerprint_fields(workload, device, settings)
+        except NotFingerprintable as error:
+            logger.warning("batchfit: %s", error)
+            return None
         knobs = settings.get("knobs") or {}
         label = " ".join([workload.name or "workload", *(f"{k}={v}" for k, v in knobs.items())])
         return cls(cache, fingerprint(fields), fields, label)
