@@ -27,7 +27,7 @@ def alone(capacity: str) -> int:
     """The size a single process finds on this capacity, without agreement."""
     module = Classifier()
     optimizer = torch.optim.Adam(module.net.parameters(), lr=1e-3)
-    workload = bf.Workload(module.net, sample(), F.cross_entropy, optimizer)
+    workload = bf.Workload(module.net, sample(), F.cross_entropy, optimizer, keep_output=False)  # training_step's loop
     return bf.search_workload(
         workload, device=bf.SimulatedDevice(capacity), agree=False, margin=LOOP_HEADROOM
     ).batch_size

@@ -146,8 +146,8 @@ class FaultyDevice(bf.SimulatedDevice):
         self.injector = injector
 
     @contextlib.contextmanager
-    def measuring(self) -> Iterator[None]:
-        with super().measuring(), self.injector.active():
+    def measuring(self, uncounted: Any = ()) -> Iterator[None]:
+        with super().measuring(uncounted), self.injector.active():
             yield
 
 

@@ -138,9 +138,12 @@ def test_workload_options_reach_the_built_ins(tmp_path):
     args = ["--device", "sim:12MiB", "--max-trials", "1", "--json", str(out)]  # small batches: fp16 is slow on a CPU
     assert invoke("find", "gpt-tiny", "--seq-len", "16", "--amp", "bf16", *args).exit_code == 0
     document = json.loads(out.read_text())
-    assert document["workload"] == {"name": "gpt-tiny", "options": {"seq_len": 16, "amp_dtype": "bf16"}}
-    assert invoke("find", "cnn-small", "--image-size", "16", *args).exit_code == 0
-    assert json.loads(out.read_text())["workload"]["options"] == {"image_size": 16}
+    assert document["workload"] == {
+        "name": "gpt-tiny",
+        "options": {"seq_len": 16, "amp_dtype": "bf16", "keep_output": True},
+    }
+    assert invoke("find", "cnn-small", "--image-size", "16", "--drop-output", *args).exit_code == 0
+    assert json.loads(out.read_text())["workload"]["options"] == {"image_size": 16, "keep_output": False}
     assert invoke("find", "mlp", "--amp", "fp16", *args).exit_code == 0
 
 

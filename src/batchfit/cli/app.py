@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -20,6 +21,7 @@ from batchfit.cli.common import Debug
 from batchfit.cli.common import Framework
 from batchfit.cli.common import FrameworkOption
 from batchfit.cli.common import ImageSize
+from batchfit.cli.common import KeepOutput
 from batchfit.cli.common import SeqLen
 from batchfit.cli.common import app
 from batchfit.cli.common import check_outputs
@@ -29,6 +31,7 @@ from batchfit.cli.common import errors
 from batchfit.cli.common import header_line
 from batchfit.cli.common import load_for_cli
 from batchfit.cli.common import parse_margin
+from batchfit.cli.common import with_loop
 from batchfit.cli.report import breakdown_table
 from batchfit.cli.report import print_result
 from batchfit.cli.report import result_document
@@ -74,6 +77,7 @@ def find(
     seq_len: SeqLen = None,
     image_size: ImageSize = None,
     amp: AmpOption = None,
+    keep_output: KeepOutput = True,
     framework: FrameworkOption = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of peak memory against batch size here.")] = None,
@@ -81,7 +85,9 @@ def find(
     debug: Debug = False,
 ) -> None:
     """Find the largest batch size that really fits: every answer is a size a trial ran."""
-    work, options = load_for_cli(workload, seq_len, image_size, amp, framework.value if framework else None)
+    work, options = load_for_cli(
+        workload, seq_len, image_size, amp, framework.value if framework else None, keep_output
+    )
     dev = device_for(work, device)
     check_outputs(json_path, plot)
     if not quiet:
@@ -165,6 +171,7 @@ def estimate(
     seq_len: SeqLen = None,
     image_size: ImageSize = None,
     amp: AmpOption = None,
+    keep_output: KeepOutput = True,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the estimate as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory curve here.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the largest batch size.")] = False,
@@ -183,7 +190,7 @@ def estimate(
     reserve_bytes = None if reserve is None else parse_bytes(reserve, what="reserve", allow_zero=True)
     label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
     tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes)
-    work, options = load_for_cli(workload, seq_len, image_size, amp)
+    work, options = load_for_cli(workload, seq_len, image_size, amp, keep_output=keep_output)
     check_outputs(json_path, plot)
     label = label or f"a {format_bytes(tracer.capacity_bytes())} device"
     if not quiet:
@@ -195,7 +202,9 @@ def estimate(
     with console.status("Tracing", spinner="dots"), tracing():
         largest = search_workload(work, device=tracer, trace=False)
     at = batch_size if batch_size is not None else largest.batch_size
-    breakdown = estimate_workload(work, at, device=tracer)
+    with warnings.catch_warnings():  # an under-count is said below, once, in the verdict's words
+        warnings.simplefilter("ignore", UserWarning)
+        breakdown = estimate_workload(work, at, device=tracer)
     if quiet:
         console.print(largest.batch_size)
     else:
@@ -217,16 +226,27 @@ def estimate(
 
 
 def _print_estimate(largest: Any, breakdown: Any, batch_size: int | None) -> None:
+    from batchfit.devices.trace import undercount_message
+
     console.print(breakdown_table(breakdown))
+    undercounted = breakdown.undercounted_ops
+    if undercounted:
+        errors.print(
+            f"[yellow]Warning:[/] {escape(undercount_message(undercounted))}: the sizes below are upper "
+            "bounds, not verdicts. Measure with `batchfit find --device sim:CAPACITY` instead.",
+            highlight=False,
+        )
     if batch_size is not None:
-        verdict = "fits" if breakdown.fits else "does not fit"
+        verdict = {True: "fits", False: "does not fit", None: "may not fit"}[breakdown.fits]
+        at_least = "at least " if undercounted else ""
         console.print(
-            f"Batch size {batch_size} {verdict}: peak {format_bytes(breakdown.peak_bytes)} of "
+            f"Batch size {batch_size} {verdict}: peak {at_least}{format_bytes(breakdown.peak_bytes)} of "
             f"{format_bytes(breakdown.capacity_bytes)}.",
             highlight=False,
         )
+    what = "the trace allows (an upper bound)" if undercounted else "that fits"
     console.print(
-        f"[bold green]Largest batch size that fits: {largest.batch_size} "
+        f"[bold green]Largest batch size {what}: {largest.batch_size} "
         f"(estimated from {len(largest.trials)} traced trials, {largest.seconds:.1f} s).[/]"
     )
 
@@ -259,6 +279,7 @@ def optimal(
     ] = None,
     image_size: ImageSize = None,
     amp: AmpOption = None,
+    keep_output: KeepOutput = True,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
     plot: Annotated[
         Path | None, typer.Option(help="Write a PNG of throughput and memory against batch size here.")
@@ -268,7 +289,7 @@ def optimal(
     """Maximum is not optimal: time steps across batch sizes and pick the throughput-optimal one."""
     from batchfit.search.throughput import optimal_for_workload
 
-    work, options = load_for_cli(workload, seq_len, image_size, amp)
+    work, options = load_for_cli(workload, seq_len, image_size, amp, keep_output=keep_output)
     dev = resolve_device(device, work.model)
     check_outputs(json_path, plot)
     console.print(header_line(work, dev, "optimal"))
@@ -379,6 +400,7 @@ def plan(
     margin: Annotated[
         str, typer.Option(help="Headroom kept when measuring: bytes, a size like 512MiB, or a fraction like 0.05.")
     ] = "0",
+    keep_output: KeepOutput = True,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write BatchPlan.to_dict() here.")] = None,
     debug: Debug = False,
 ) -> None:
@@ -395,7 +417,7 @@ def plan(
     settings = SearchSettings(margin=parse_margin(margin))  # checked before any work
     work = dev = None
     if workload is not None:
-        work = load_workload(workload, framework=None, seq_len=seq_len, only_accepted=True)
+        work = with_loop(load_workload(workload, framework=None, seq_len=seq_len, only_accepted=True), keep_output)
         dev = device_for(work, device)
         micro_batch_size = _measure_micro_batch(work, dev, settings, accumulating=False)
     if micro_batch_size is None:

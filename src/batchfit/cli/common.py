@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from enum import Enum
@@ -16,6 +17,7 @@ from rich.markup import escape
 from batchfit.cli.workloads import load_workload
 from batchfit.devices.units import format_bytes
 from batchfit.errors import NoBatchFitsError
+from batchfit.step.workload import Workload
 
 app = typer.Typer(
     help="What batch size should I train with on this hardware?\n\nExample: batchfit find gpt-tiny --device sim:8GiB",
@@ -51,18 +53,43 @@ FrameworkOption = Annotated[
         help="torch or mlx: what a module:function workload returns (default: either; built-ins know their own)."
     ),
 ]
+KeepOutput = Annotated[
+    bool,
+    typer.Option(
+        "--keep-output/--drop-output",
+        help="Model the loop people write, whose output (logits) stays alive until after backward "
+        "(default), or one whose loss call drops it, as Lightning's training_step and the HF Trainer do.",
+    ),
+]
 CacheDir = Annotated[
     Path | None, typer.Option(help="The cache folder (default: $BATCHFIT_CACHE_DIR, else the user cache folder).")
 ]
 
 
 def load_for_cli(
-    workload: str, seq_len: int | None, image_size: int | None, amp: Amp | None, framework: str | None = "torch"
+    workload: str,
+    seq_len: int | None,
+    image_size: int | None,
+    amp: Amp | None,
+    framework: str | None = "torch",
+    keep_output: bool = True,
 ) -> tuple[Any, dict[str, Any]]:
-    """The workload and the options that reached it (for the JSON); ``framework=None`` accepts MLX ones too."""
+    """The workload and the options that reached it (for the JSON); ``framework=None`` accepts MLX ones too.
+    ``keep_output`` sets which loop a torch workload's probe models (``Workload.keep_output``)."""
     options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
-    work = load_workload(workload, framework=framework, **options)
-    return work, {key: value for key, value in options.items() if value is not None}
+    work = with_loop(load_workload(workload, framework=framework, **options), keep_output)
+    used = {key: value for key, value in options.items() if value is not None}
+    if isinstance(work, Workload):
+        used["keep_output"] = work.keep_output
+    return work, used
+
+
+def with_loop(work: Any, keep_output: bool) -> Any:
+    """A copy of a torch ``Workload`` whose probe holds (or drops) the output as asked; other
+    workloads (MLX's) unchanged."""
+    if isinstance(work, Workload) and work.keep_output != keep_output:
+        return dataclasses.replace(work, keep_output=keep_output)
+    return work
 
 
 def check_outputs(json_path: Path | None = None, plot: Path | None = None) -> None:
@@ -110,6 +137,8 @@ def header_line(workload: Any, device: Any, command: str = "find") -> str:
     params = own_count() if own_count is not None else sum(p.numel() for p in workload.model.parameters())
     optimizer = type(workload.optimizer).__name__ if workload.optimizer is not None else "no optimizer"
     line = f"batchfit {command}: [bold]{workload.name}[/] ({params / 1e6:.2f}M parameters, {optimizer}) on [bold]{device.name}[/]"
+    if getattr(workload, "loop", None):
+        line += f"\nLoop: {escape(workload.loop)} (--keep-output/--drop-output choose)."
     if device.simulated:
         line += f"\n[yellow]Simulated:[/] a {format_bytes(device.capacity_bytes())} device on the CPU, not a GPU measurement (choose with --device sim:CAPACITY)."
     return line

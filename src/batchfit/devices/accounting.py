@@ -150,12 +150,13 @@ class LiveBytes:
             f"Simulated; worded like the CPU allocator for other tools: {PEER_OOM_WORDING}."
         )
 
-    def mode(self) -> TorchDispatchMode:
-        """A dispatch mode that counts what every op reads and makes while it is active, and
-        appends the live bytes after each op to ``timeline`` and ``exact_timeline`` (cleared here)."""
+    def mode(self, uncounted: Iterable[Any] = ()) -> TorchDispatchMode:
+        """A dispatch mode that counts what every op reads and makes while it is active, except
+        the storages of ``uncounted`` tensors, and appends the live bytes after each op to
+        ``timeline`` and ``exact_timeline`` (cleared here)."""
         self.timeline = []
         self.exact_timeline = []
-        return _CountingMode(self)
+        return _CountingMode(self, frozenset(self.keys_of(uncounted)))
 
 
 def _tensors_in(value: Any) -> Iterable[Any]:
@@ -168,17 +169,23 @@ def _tensors_in(value: Any) -> Iterable[Any]:
 
 
 class _CountingMode(TorchDispatchMode):
-    def __init__(self, counter: LiveBytes):
+    def __init__(self, counter: LiveBytes, uncounted: frozenset[int] = frozenset()):
         super().__init__()
         self.counter = counter
+        self.uncounted = uncounted  # storage keys of host data (the sample): read, never counted
+
+    def _track(self, tensor: Any) -> int:
+        if self.uncounted and tensor.untyped_storage()._cdata in self.uncounted:
+            return 0
+        return self.counter.track(tensor)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         counter = self.counter
         for arg in args:
             for tensor in _tensors_in(arg):
-                counter.track(tensor)
+                self._track(tensor)
         out = func(*args, **(kwargs or {}))
-        requested = sum(counter.track(tensor) for tensor in _tensors_in(out))
+        requested = sum(self._track(tensor) for tensor in _tensors_in(out))
         if counter.over_limit():
             message = counter.oom_message(requested)
             del out  # a real allocator never hands out the block: nothing may keep it alive

@@ -59,7 +59,8 @@ class CudaDevice:
     def peak_bytes(self) -> int:
         return torch.cuda.max_memory_allocated(self.torch_device)
 
-    def measuring(self) -> contextlib.AbstractContextManager:
+    def measuring(self, uncounted: Iterable[torch.Tensor] = ()) -> contextlib.AbstractContextManager:
+        """The allocator counts what is on this GPU; ``uncounted`` (host data) never is."""
         self._timeline = []
         if not self.record_timeline:
             return contextlib.nullcontext()

@@ -238,6 +238,7 @@ def lightning_workload(trainer: pl.Trainer, pl_module: pl.LightningModule, sampl
         amp_dtype=PRECISION_AMP.get(str(trainer.precision)),
         step_fn=_training_step,
         name=type(pl_module).__name__,
+        keep_output=False,  # Lightning holds neither the output nor the loss: training_step's own loop
     )
 
 

@@ -193,6 +193,7 @@ def train_workload(trainer: Trainer, *, longest_seq_len: int | None = None) -> W
         amp_dtype=training_amp_dtype(trainer.args),
         step_fn=_loss_step(trainer),
         name=type(trainer.model).__name__,
+        keep_output=False,  # the Trainer's own step, exactly as before
     )
 
 
@@ -210,6 +211,7 @@ def _eval_workload(
         mode="eval",
         step_fn=_eval_step(trainer),
         name=type(trainer.model).__name__,
+        keep_output=False,  # the Trainer's own step, exactly as before
     )
 
 

@@ -338,6 +338,7 @@ class Microbatcher:
             optimizer=self.optimizer,
             amp_dtype=self.settings.amp_dtype,
             step_fn=self.step_fn,
+            keep_output=False,  # this loop's loss call drops the output before backward
         )
         return search_workload(workload, settings, device=self.device).batch_size
 

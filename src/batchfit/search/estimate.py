@@ -26,6 +26,7 @@ from batchfit.devices.trace import UNLIMITED_BYTES
 from batchfit.devices.trace import TraceDevice
 from batchfit.devices.trace import as_trace_device
 from batchfit.devices.trace import tracing
+from batchfit.devices.trace import undercount_message
 from batchfit.devices.units import format_bytes
 from batchfit.search.prober import Prober
 from batchfit.step.batching import resize_batch
@@ -78,6 +79,8 @@ class MemoryEstimate:
 
     ``breakdown`` has the keys parameters, gradients, optimizer_state, activations, batch and
     temporaries, and sums to ``peak_bytes``; ``peak_phase`` is where the peak happens.
+    ``undercounted_ops`` names the ops whose fake kernels make less memory than the real ones
+    (the CPU LSTM's workspace): while it is not empty the peak is a lower bound.
     """
 
     batch_size: int
@@ -87,11 +90,21 @@ class MemoryEstimate:
     capacity_bytes: int | None = None
     analytic: AnalyticEstimate | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    undercounted_ops: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool | None:
-        """Whether the peak stays within the capacity (``None`` when no capacity was given)."""
-        return None if self.capacity_bytes is None else self.peak_bytes <= self.capacity_bytes
+        """Whether the peak stays within the capacity: ``None`` when no capacity was given, or when
+        the peak fits but is a lower bound (``undercounted_ops``); ``False`` is always backed.
+
+        >>> MemoryEstimate(8, 2**20, {}, "backward", 2**30, undercounted_ops=("aten::mkldnn_rnn_layer",)).fits is None
+        True
+        """
+        if self.capacity_bytes is None:
+            return None
+        if self.peak_bytes > self.capacity_bytes:
+            return False  # a lower bound over the capacity: the real peak is over it too
+        return None if self.undercounted_ops else True
 
     def summary(self) -> str:
         """One sentence: the peak, where it happens, its largest category, and whether it fits.
@@ -99,10 +112,14 @@ class MemoryEstimate:
         >>> MemoryEstimate(8, 3 * 2**20, {"parameters": 2**20, "activations": 2**21}, "backward", 2**30).summary()
         'At batch size 8 the peak is 3.0 MiB (in backward), the largest part activations (2.0 MiB); it fits in 1.0 GiB.'
         """
-        sentence = f"At batch size {self.batch_size} the peak is {format_bytes(self.peak_bytes)} (in {self.peak_phase})"
-        sentence += f", the largest part {_largest_part(self.breakdown)}"
+        lower_bound = "at least " if self.undercounted_ops else ""
+        sentence = f"At batch size {self.batch_size} the peak is {lower_bound}{format_bytes(self.peak_bytes)}"
+        sentence += f" (in {self.peak_phase}), the largest part {_largest_part(self.breakdown)}"
         if self.capacity_bytes is not None:
-            sentence += f"; it {'fits in' if self.fits else 'does not fit in'} {format_bytes(self.capacity_bytes)}"
+            verdict = {True: "it fits in", False: "it does not fit in", None: "it may not fit in"}[self.fits]
+            sentence += f"; {verdict} {format_bytes(self.capacity_bytes)}"
+        if self.undercounted_ops:
+            sentence += f", as the trace under-counts {', '.join(self.undercounted_ops)}"
         return sentence + "."
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,6 +131,7 @@ class MemoryEstimate:
             "peak_phase": self.peak_phase,
             "capacity_bytes": self.capacity_bytes,
             "fits": self.fits,
+            "undercounted_ops": list(self.undercounted_ops),
             "analytic": self.analytic.to_dict() if self.analytic else None,
             **self.extra,
         }
@@ -152,12 +170,11 @@ def _register_roles(ledger: Ledger, device: TraceDevice, work: Workload) -> None
         ("parameters", [*work.model.parameters(), *work.model.buffers()]),
         ("gradients", [p.grad for p in work.model.parameters() if p.grad is not None]),
         ("optimizer_state", _optimizer_tensors(work.optimizer)),
-        ("batch", tensor_leaves(work.sample_batch)),
     ]
     for role, tensors in groups:
         ledger.tag = role
         device.register(tensors)
-    ledger.tag = "batch"
+    ledger.tag = "batch"  # what the trial makes first: the batch (the sample itself is host data, never counted)
 
 
 def _target_device(device: EstimateDevice, capacity: int | str | None, caller: str) -> TraceDevice | None:
@@ -195,6 +212,9 @@ def estimate_workload(
         with Prober(fake, tracer, steps=steps, phase_hook=_Tagger(ledger, tracer, fake)) as prober:
             trial = prober.probe(batch_size)
     breakdown = {key: ledger.breakdown().get(key, 0) for key in BREAKDOWN_KEYS}
+    if tracer.undercounted_ops:
+        hint = "this estimate is a lower bound; measure with `batchfit find --device sim:CAPACITY` instead"
+        warnings.warn(f"batchfit: {undercount_message(tracer.undercounted_ops)}: {hint}", stacklevel=2)
     return MemoryEstimate(
         batch_size=batch_size,
         peak_bytes=trial.peak_bytes,
@@ -202,6 +222,7 @@ def estimate_workload(
         peak_phase=ledger.peak_phase,
         capacity_bytes=None if target is None else target.capacity_bytes(),
         analytic=analytic_estimate(workload, batch_size) if analytic else None,
+        undercounted_ops=tracer.undercounted_ops,
     )
 
 
@@ -217,6 +238,7 @@ def estimate_memory(
     steps: int = 2,
     mode: str = "train",
     step_fn: Callable | None = None,
+    keep_output: bool = True,
     capacity: int | str | None = None,
 ) -> MemoryEstimate:
     """Peak memory of a training step at ``batch_size``, with a breakdown, on no hardware at all.
@@ -226,7 +248,11 @@ def estimate_memory(
     a ``TraceDevice``, a GPU preset such as ``"a100-40gb"``, a capacity (bytes or ``"40GiB"``),
     ``"trace:CAPACITY"``, or a ``SimulatedDevice``/``"sim:CAPACITY"`` meaning a device of that
     capacity; ``None`` leaves ``.fits`` unknown. ``capacity=`` is the deprecated spelling of a
-    capacity or preset ``device=``. The model and optimizer are not touched.
+    capacity or preset ``device=``. The model and optimizer are not touched. When the step runs an
+    op whose fake kernel makes less memory than the real one (the CPU ``nn.LSTM``'s workspace),
+    it warns, names the op in ``.undercounted_ops``, and ``.fits`` is no "fits" verdict.
+    ``keep_output`` chooses the loop, as in ``find_max_batch_size``: by default the model's output
+    lives until after backward, as in a hand-written loop.
 
     >>> model = torch.nn.Linear(256, 256)
     >>> estimate = estimate_memory(model, torch.randn(2, 256), 1024, loss_fn=lambda out, batch: out.sum(),
@@ -236,7 +262,14 @@ def estimate_memory(
     """
     target = _target_device(device, capacity, "estimate_memory")
     workload = Workload(
-        model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
+        model,
+        sample_batch,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        amp_dtype=amp_dtype,
+        mode=mode,
+        step_fn=step_fn,
+        keep_output=keep_output,
     )
     return estimate_workload(workload, batch_size, device=target, steps=steps)
 

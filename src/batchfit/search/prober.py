@@ -25,6 +25,7 @@ from batchfit.step.compiled import CompileWatch
 from batchfit.step.compiled import is_compiled
 from batchfit.step.compiled import mark_batch_dynamic
 from batchfit.step.state import StateSnapshot
+from batchfit.step.workload import LoopVariables
 from batchfit.step.workload import Workload
 
 
@@ -100,8 +101,10 @@ class Prober:
             _move_optimizer_state(work.optimizer, self._home, target)
         try:
             self._snapshot = StateSnapshot.take(work.model, work.optimizer)
-            self._sample = move_batch(work.sample_batch, target)
-            self.device.register([*work.state_tensors(), *tensor_leaves(self._sample)])
+            # The sample stays where it is: a trial's batch reaches the device as a loader's
+            # batch does, so only its own rows count, never the sample's as well.
+            self._sample = work.sample_batch
+            self.device.register(work.state_tensors())
             self.device.cleanup()
             self.baseline_bytes = self.device.live_bytes()
             self._check_capacity()
@@ -157,21 +160,22 @@ class Prober:
             self.phase_hook(phase)
             device.reset_peak()
 
-        with device.measuring():
+        with device.measuring(uncounted=tensor_leaves(self._sample)):
             device.reset_peak()
-            batch = resize_batch(self._sample, batch_size)
+            batch = move_batch(resize_batch(self._sample, batch_size), device.torch_device)
             if self.compile_watch is not None:
                 mark_batch_dynamic(batch)  # one graph for every size, not a recompile per size
             batch_bytes = sum(t.element_size() * t.numel() for t in tensor_leaves(batch) if t.dim() > 0)
             self.phase_hook("batch")
             scaler = work.make_scaler(device_type)
+            held = LoopVariables()  # a loop's `outputs` and `loss`, alive from one step into the next
             for _ in range(self.steps):
-                record.held_bytes = device.live_bytes() - batch_bytes
+                record.held_bytes = device.live_bytes() - batch_bytes - held.tensor_bytes()
                 started = self.clock()
                 if work.mode == "train":
-                    work.train_step(batch, device_type, scaler, mark)
+                    work.train_step(batch, device_type, scaler, mark, held)
                 else:
-                    work.eval_step(batch, device_type, mark)
+                    work.eval_step(batch, device_type, mark, held)
                 device.synchronize()
                 record.step_seconds.append(self.clock() - started)
                 record.steps += 1

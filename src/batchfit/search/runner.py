@@ -17,8 +17,11 @@ import torch
 
 from batchfit.devices.base import Device
 from batchfit.devices.trace import TraceDevice
+from batchfit.devices.trace import is_users_error
+from batchfit.devices.trace import undercount_message
 from batchfit.devices.units import format_bytes
 from batchfit.errors import NoBatchFitsError
+from batchfit.errors import TraceError
 from batchfit.search import distributed
 from batchfit.search.backend import SearchBackend
 from batchfit.search.backend import TrialProber
@@ -96,7 +99,9 @@ def trace_estimate(
     workload: Workload, device: Device, limit_bytes: int, space: tuple[int, int | None], steps: int
 ) -> dict[str, Any] | None:
     """The trace's estimate of the edge under ``limit_bytes``, or ``None`` (with a warning) when
-    the workload cannot be traced: an op without a fake kernel, data-dependent shapes, ..."""
+    the workload cannot be traced: an op without a fake kernel, data-dependent shapes, ...
+    The user's own ``ValueError``/``TypeError`` propagates (the real device would raise it too);
+    an op the trace under-counts is a warning (the real probes decide)."""
     start = time.perf_counter()
     tracer = TraceDevice(limit_bytes, device=device.torch_device)
     try:
@@ -105,14 +110,23 @@ def trace_estimate(
         )
     except NoBatchFitsError:
         return {"batch_size": None, "trials": None, "seconds": time.perf_counter() - start}
-    except Exception as error:  # a fallback: whatever stops the trace, real probing still works
-        logger.warning(
-            "batchfit: could not trace the workload (%s: %s); probing without an estimate",
-            type(error).__name__,
-            str(error).splitlines()[0][:200],
-        )
+    except Exception as error:  # a fallback: what stops the trace but not the real device
+        if is_users_error(error):
+            raise
+        _warn_untraceable(error)
         return None
+    if tracer.undercounted_ops:
+        logger.warning("batchfit: %s: its edge is only a first guess", undercount_message(tracer.undercounted_ops))
     return {"batch_size": estimate.batch_size, "trials": len(estimate.trials), "seconds": time.perf_counter() - start}
+
+
+def _warn_untraceable(error: Exception) -> None:
+    cause = error.__cause__ if isinstance(error, TraceError) and error.__cause__ is not None else error
+    logger.warning(
+        "batchfit: could not trace the workload (%s: %s); probing without an estimate",
+        type(cause).__name__,
+        (str(cause).splitlines() or [""])[0][:200],
+    )
 
 
 @dataclass(frozen=True)
@@ -262,9 +276,8 @@ def _one_trial(
     """Probe ``batch_size`` (under ranks: it fits only if it fit on every rank), log it, report it."""
     if on_trial_start is not None:
         on_trial_start(batch_size)
-    trial = prober.probe(batch_size)
-    if plan.agreeing:
-        trial = distributed.agree_trial(trial)
+    # Agreeing, a rank whose trial raises tells the others in this trial's agreement.
+    trial = distributed.probe_together(prober.probe, batch_size) if plan.agreeing else prober.probe(batch_size)
     # A caller with on_trial reports trials itself; a trace's trials are only an estimate.
     quiet = on_trial is not None or plan.backend.is_trace(plan.device)
     logger.log(logging.DEBUG if quiet else logging.INFO, trial.describe(plan.capacity_bytes))
@@ -339,6 +352,7 @@ def find_max_batch_size(
     steps: int = 2,
     mode: str = "train",
     step_fn: Callable | None = None,
+    keep_output: bool = True,
     on_trial: Callable[[Trial], None] | None = None,
     trace: bool = True,
     longest_seq_len: int | None = None,
@@ -357,7 +371,10 @@ def find_max_batch_size(
     ``auto`` and ``trace=True``, the edge is first estimated on a ``TraceDevice`` (fake tensors,
     nothing allocated) and real trials only verify and refine it. ``longest_seq_len`` pads every
     sequence of the sample to the longest length the run will see (masks fully attended), so the
-    answer holds for the worst batch, not the sample's. ``cache=True`` (or a folder) returns a
+    answer holds for the worst batch, not the sample's. ``keep_output=True`` (default) keeps the
+    model's output alive until after backward, as ``outputs = model(x); loss = loss_fn(outputs, y);
+    loss.backward()`` does; ``False`` models a loop whose loss call drops it (Lightning's
+    ``training_step``, the Hugging Face Trainer). ``cache=True`` (or a folder) returns a
     stored answer, with zero trials, when this very search ran before (see ``ResultCache``).
 
     >>> import batchfit as bf
@@ -381,7 +398,14 @@ def find_max_batch_size(
     if longest_seq_len is not None:
         sample_batch = pad_sequences(sample_batch, longest_seq_len)
     workload = Workload(
-        model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
+        model,
+        sample_batch,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        amp_dtype=amp_dtype,
+        mode=mode,
+        step_fn=step_fn,
+        keep_output=keep_output,
     )
     return search_workload(workload, settings, device=device, on_trial=on_trial)
 
@@ -399,6 +423,7 @@ def probe_batch_size(
     steps: int = 2,
     mode: str = "train",
     step_fn: Callable | None = None,
+    keep_output: bool = True,
 ) -> Trial:
     """Run one trial at ``batch_size`` and return it; state is restored afterwards.
 
@@ -410,7 +435,14 @@ def probe_batch_size(
     """
     settings = SearchSettings(margin=margin, steps=steps)
     workload = Workload(
-        model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
+        model,
+        sample_batch,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        amp_dtype=amp_dtype,
+        mode=mode,
+        step_fn=step_fn,
+        keep_output=keep_output,
     )
     return probe_workload(workload, batch_size, settings, device=device)
 

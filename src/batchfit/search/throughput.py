@@ -215,6 +215,7 @@ def find_optimal_batch_size(
     time_budget_seconds: float | None = None,
     mode: str = "train",
     step_fn: Callable | None = None,
+    keep_output: bool = True,
     trace: bool = True,
     cache: CacheSpec = False,
     clock: Callable[[], float] = time.perf_counter,
@@ -244,7 +245,14 @@ def find_optimal_batch_size(
         )
         timing_warmup_steps = warmup_steps
     workload = Workload(
-        model, sample_batch, loss_fn=loss_fn, optimizer=optimizer, amp_dtype=amp_dtype, mode=mode, step_fn=step_fn
+        model,
+        sample_batch,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        amp_dtype=amp_dtype,
+        mode=mode,
+        step_fn=step_fn,
+        keep_output=keep_output,
     )
     check_maximum(max_batch_size)
     settings = SearchSettings(

@@ -54,6 +54,16 @@ def tensor_leaves(batch: Any) -> list[torch.Tensor]:
     return found
 
 
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of the distinct tensors in ``tree`` (any nesting; ``0`` for ``None``).
+
+    >>> tensor_bytes({"logits": torch.zeros(2, 3), "loss": torch.zeros(())})
+    28
+    """
+    distinct = {id(t): t for t in tensor_leaves(tree)}
+    return sum(t.element_size() * t.numel() for t in distinct.values())
+
+
 def batch_length(batch: Any) -> int:
     """The shared leading (batch) dimension of every non-scalar tensor leaf.
 

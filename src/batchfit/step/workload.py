@@ -12,6 +12,7 @@ import torch
 
 from batchfit.step.batching import batch_length
 from batchfit.step.batching import compact_batch
+from batchfit.step.batching import tensor_bytes
 from batchfit.step.batching import tensor_leaves
 
 MODES = ("train", "eval", "generate")
@@ -85,6 +86,11 @@ class Workload:
     (generation needs more memory than a forward pass): ``step_fn(model, batch)`` if given (e.g.
     ``lambda m, b: m.generate(**b, max_new_tokens=64)``), else ``model.generate(inputs,
     max_new_tokens=max_new_tokens)`` (a mapping batch is passed as keywords, without ``labels``).
+    ``keep_output=True`` (the default) keeps the model's output alive until after backward, as the
+    loop people write does (``outputs = model(**batch); loss = outputs.loss; loss.backward()``, or
+    ``logits = model(x)`` held the same way); ``keep_output=False`` lets it die inside the loss
+    call, as Lightning's ``training_step`` and the Hugging Face Trainer do. A ``step_fn`` step
+    holds what ``step_fn`` holds: it returns only the loss.
     ``accumulating=True`` runs each step as a later micro-batch of a gradient-accumulation window:
     the gradients exist (as zeros) before the forward, so their memory is held through forward and
     backward, as in training with ``gradient_accumulation_steps > 1``.
@@ -134,6 +140,10 @@ class Workload:
     accumulating: bool = False
     """Run each step as a later micro-batch of an accumulation window (gradients held through
     forward and backward)."""
+    keep_output: bool = True
+    """Hold the model's output until after backward, as a hand-written loop does (``False``: it
+    dies inside the loss call, as in Lightning's ``training_step`` or the Hugging Face Trainer).
+    Applies to the calling convention; a ``step_fn`` returns only the loss."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
@@ -147,6 +157,9 @@ class Workload:
             _check_generation(self)
         if self.mode == "train" and not any(p.requires_grad for p in self.model.parameters()):
             raise ValueError("the model has no parameters that require grad, so it cannot train: use mode='eval'")
+        for name in ("accumulating", "keep_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("loss_fn", "step_fn"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise TypeError(f"{name} must be a function, got {getattr(self, name)!r}: {_CALL_HELP[name]}")
@@ -180,21 +193,58 @@ class Workload:
             self.model, batch, loss_fn=self.loss_fn, step_fn=self.step_fn, need_loss=self.mode == "train"
         )
 
-    def train_step(self, batch: Any, device_type: str, scaler: Any, mark: PhaseMark) -> None:
+    def _loss_holding(self, batch: Any, held: LoopVariables | None) -> Any:
+        """The loss for a training step. With ``keep_output``, ``held`` takes the output as soon as
+        the model returns it and then the loss, as a loop's ``outputs = model(...)`` and ``loss =
+        ...`` rebind their variables: the previous step's values die at those two moments."""
+        if not self.keep_output:
+            return self._forward(batch)
+        held = held if held is not None else LoopVariables()
+        if self.step_fn is not None:
+            held.loss = self.step_fn(self.model, batch)
+            return held.loss
+        held.output, targets = call_by_convention(self.model, batch)
+        held.loss = loss_of(held.output, targets, batch, loss_fn=self.loss_fn)
+        return held.loss
+
+    @property
+    def loop(self) -> str:
+        """Which training loop a probe models, in words (what ``batchfit find`` reports)."""
+        if self.mode != "train":
+            return f"{self.mode} under no_grad"
+        if self.step_fn is not None:
+            return "step_fn(model, batch) -> loss"
+        if self.keep_output:
+            return "the output held through backward, as in a hand-written loop"
+        return "the output dropped before backward, as in Lightning's training_step or the HF Trainer"
+
+    def train_step(
+        self, batch: Any, device_type: str, scaler: Any, mark: PhaseMark, held: LoopVariables | None = None
+    ) -> None:
         """One full step, marking each phase's end: forward and loss (``mark("forward")``),
-        backward (``mark("backward")``), optimizer step and ``zero_grad`` (``mark("optimizer")``)."""
+        backward (``mark("backward")``), optimizer step and ``zero_grad`` (``mark("optimizer")``).
+
+        With ``keep_output``, ``held`` keeps the output and the loss as a loop's variables do:
+        the previous step's output lives through this forward, this step's through backward, the
+        optimizer step and the next forward."""
         if self.accumulating:
             hold_gradients(self.model)
         with autocast(device_type, self.amp_dtype):
-            loss = self._forward(batch)
+            loss = self._loss_holding(batch, held)
         _check_loss(loss)
         mark("forward")
         (scaler.scale(loss) if scaler is not None else loss).backward()
         del loss
         mark("backward")
+        if self._optimizer_step(scaler):
+            mark("optimizer")
+
+    def _optimizer_step(self, scaler: Any) -> bool:
+        """The optimizer step and ``zero_grad``; ``False`` when there is no optimizer (the
+        gradients are dropped all the same)."""
         if self.optimizer is None:
             self.model.zero_grad(set_to_none=True)
-            return
+            return False
         if scaler is not None:
             # A probe must run the step even when a fresh scaler's first scale overflows (it would
             # skip it, and the optimizer state would never be measured); the state is restored anyway.
@@ -204,14 +254,17 @@ class Workload:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        mark("optimizer")
+        return True
 
-    def eval_step(self, batch: Any, device_type: str, mark: PhaseMark) -> None:
+    def eval_step(self, batch: Any, device_type: str, mark: PhaseMark, held: LoopVariables | None = None) -> None:
         """One forward pass, or with ``mode="generate"`` one generation, under ``torch.no_grad()``
-        (``mark("forward")``)."""
+        (``mark("forward")``); with ``keep_output`` the output replaces ``held.output``, as in
+        ``train_step``."""
         self.model.eval()
         with torch.no_grad(), autocast(device_type, self.amp_dtype):
             output = self._generate(batch) if self.mode == "generate" else self._forward(batch)
+        if held is not None and self.keep_output:
+            held.output = output
         del output
         mark("forward")
 
@@ -232,6 +285,19 @@ class Workload:
             return torch.amp.GradScaler(device_type)
         except (RuntimeError, ValueError):  # device type without a GradScaler
             return None
+
+
+@dataclass
+class LoopVariables:
+    """What a hand-written loop's ``outputs`` and ``loss`` variables hold from one step into the
+    next (``None`` before the first)."""
+
+    output: Any = None
+    loss: Any = None
+
+    def tensor_bytes(self) -> int:
+        """Bytes of the tensors held."""
+        return tensor_bytes((self.output, self.loss))
 
 
 def hold_gradients(model: torch.nn.Module) -> None:
@@ -270,10 +336,16 @@ def compute_loss(
     if step_fn is not None:
         return step_fn(model, batch)
     output, targets = call_by_convention(model, batch)
+    if loss_fn is None and not need_loss:
+        return output
+    return loss_of(output, targets, batch, loss_fn=loss_fn)
+
+
+def loss_of(output: Any, targets: Any, batch: Any, *, loss_fn: LossFn | None = None) -> Any:
+    """The loss of ``output`` by the calling convention: ``loss_fn(output, targets)``, else a
+    mapping batch's ``output.loss``."""
     if loss_fn is not None:
         return loss_fn(output, targets)
-    if not need_loss:
-        return output
     if isinstance(batch, Mapping):
         return _loss_attribute(output)
     raise ValueError("this batch needs a loss: pass loss_fn(output, targets) or step_fn(model, batch)")
