@@ -1,12 +1,16 @@
 """Run for test_distributed.py under torchrun (2 ranks, gloo; by ddp_suite.py with the other checks,
 or alone). A trial that raises on one rank (not out of memory) is said in that trial's agreement:
-the other rank stops at once with an error naming it, and no collective is left half-joined."""
+the other rank stops at once with an error naming it, and no collective is left half-joined. The
+same for a Microbatcher training step that raises on one rank."""
 
 import json
 import sys
 
+import torch
 import torch.distributed as dist
+from torch.nn import functional as F
 
+from batchfit.runtime.microbatch import Microbatcher
 from batchfit.search import distributed
 from batchfit.search.trial import Trial
 
@@ -29,11 +33,35 @@ def _outcome(raisers: set[int], rank: int) -> str:
     return f"fits, peak {trial.peak_bytes}"
 
 
+def _step_outcome(raisers: set[int], rank: int) -> str:
+    """How two Microbatcher steps ended on this rank when the second one's loss raised on ``raisers``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    calls = []
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if rank in raisers and len(calls) > 2:  # the second step's first micro-batch
+            raise ValueError(f"bad targets on rank {rank}")
+        return F.mse_loss(output, target)
+
+    batcher = Microbatcher(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn, micro_batch_size=4)
+    batch = (torch.randn(8, 8), torch.randn(8, 2))
+    try:
+        for _ in range(2):
+            batcher.step(batch)
+    except (ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "trained"
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     result = {name: _outcome(raisers, rank) for name, raisers in (("zero", {0}), ("one", {1}), ("both", {0, 1}))}
     result["none"] = _outcome(set(), rank)  # the group is still in step after the failed trials
+    result["step_zero"] = _step_outcome({0}, rank)
+    result["step_none"] = _step_outcome(set(), rank)  # still in step after the failed training step
     results = [None, None]
     dist.all_gather_object(results, result)
     if rank == 0:

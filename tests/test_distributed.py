@@ -108,6 +108,10 @@ def test_a_trial_that_raises_on_one_rank_stops_the_others_at_once_naming_it(tmp_
     assert second["one"] == "ValueError: a bad batch of 8 on rank 1"
     assert first["both"] == "ValueError: a bad batch of 8 on rank 0" and second["both"].endswith("on rank 1")
     assert first["none"] == second["none"] == "fits, peak 101"  # still in step: the worst peak of both ranks
+    # A Microbatcher step whose loss raises on rank 0 (no OOM): rank 1 hears it in that step's agreement.
+    assert first["step_zero"] == "ValueError: bad targets on rank 0"
+    assert second["step_zero"].startswith("RuntimeError: batchfit: another rank's training step raised")
+    assert first["step_none"] == second["step_none"] == "trained"
 
 
 def test_a_sweep_under_torchrun_agrees_writes_once_and_caches(tmp_path_factory):

@@ -293,10 +293,9 @@ class Microbatcher:
         ooms = replays = 0
         while True:
             slices = self._slices(batch, size)
-            with device_accounting(self.device):
-                loss, completed = self._accumulate(batch, slices, size, local_only=agreeing)
+            loss, completed = self._accumulate_agreeing(batch, slices, size, agreeing)
             failed = loss is None
-            if agreeing and distributed.any_rank(failed) and not failed:
+            if agreeing and self._agree_on_outcome(failed) and not failed:
                 failed = True
                 self._clean_up("another rank ran out of memory")
             if not failed:
@@ -316,6 +315,30 @@ class Microbatcher:
         self._record(slices, ooms, replays, total, size)
         self._maybe_grow(ooms)
         return loss
+
+    def _accumulate_agreeing(
+        self, batch: Any, slices: list[tuple[int, int]], size: int, agreeing: bool
+    ) -> tuple[float | None, int]:
+        """``_accumulate``; under a process group, an error other than an OOM is told to the other
+        ranks (in this step's agreement) before it propagates, so none is left waiting."""
+        try:
+            with device_accounting(self.device):
+                return self._accumulate(batch, slices, size, local_only=agreeing)
+        except Exception as error:
+            if agreeing:
+                distributed.report_raised_step(error)
+            raise
+
+    @staticmethod
+    def _agree_on_outcome(failed: bool) -> bool:
+        """Whether any rank ran out of memory in this step; a ``RuntimeError`` when one raised."""
+        worst = distributed.worst_step_outcome(distributed.STEP_OOM if failed else distributed.STEP_FITS)
+        if worst == distributed.STEP_RAISED:
+            raise RuntimeError(
+                "batchfit: another rank's training step raised (its own error says what), so this rank stops "
+                "too: the ranks cannot stay in step"
+            )
+        return worst == distributed.STEP_OOM
 
     def _record(self, slices: list[tuple[int, int]], ooms: int, replays: int, samples: int, size: int) -> None:
         largest = max(stop - start for start, stop in slices)

@@ -100,6 +100,25 @@ def any_rank(flag: bool) -> bool:
     return bool(_reduce(int(flag), "MAX", bounded=False))
 
 
+STEP_FITS, STEP_OOM, STEP_RAISED = 0, 1, 2  # a training step's outcome on one rank, worst last
+
+
+def worst_step_outcome(outcome: int) -> int:
+    """The worst of every rank's step outcome (``STEP_FITS``, ``STEP_OOM``, ``STEP_RAISED``): one
+    all-reduce per step, the same collective ``any_rank`` makes, so a rank whose step raised is
+    heard by the others instead of leaving them waiting."""
+    return _reduce(outcome, "MAX", bounded=False)
+
+
+def report_raised_step(error: BaseException) -> None:
+    """Tell the other ranks, in this step's agreement, that this rank's step raised ``error`` (the
+    caller re-raises it). Never raises itself: when they cannot be told, a warning says so."""
+    try:
+        worst_step_outcome(STEP_RAISED)
+    except RuntimeError as failure:
+        logger.warning("batchfit: could not tell the other ranks that this rank's step raised %s: %s", error, failure)
+
+
 def _gather(payload: object) -> list[Any]:
     """Every rank's ``payload`` (picklable), in rank order; each of the two collectives waits at
     most ``agreement_timeout()``."""
