@@ -446,3 +446,27 @@ def test_plan_margin_reaches_the_search():
     result = invoke("plan", "mlp", "--device", "sim:8MiB", "--global-batch-size", str(plain), "--margin", "512KiB")
     assert result.exit_code == 0, result.output
     assert f"the largest micro-batch is {plain}." in result.output and "gradients held" not in result.output
+
+
+def test_only_what_the_user_can_fix_is_a_one_line_error(tiny, monkeypatch):
+    # bad input batchfit checks: one line naming the fix, exit code 2, no traceback
+    mistake = invoke("find", tiny, "--device", "sim:1MiB", "--margin", "2.5")
+    assert mistake.exit_code == 2 and mistake.stderr.startswith("error: ") and "Traceback" not in mistake.stderr
+
+    # a ValueError from inside batchfit that no check raised on purpose is a bug: traceback, report, exit 1
+    def broken(*args, **kwargs):
+        raise ValueError("internal: an index out of step")
+
+    monkeypatch.setattr(sys.modules["batchfit.cli.app"], "print_result", broken)
+    bug = invoke("find", tiny, "--device", "sim:1MiB", "--max-trials", "1", "--no-trace")
+    assert bug.exit_code == 1 and "error: internal" not in bug.stderr
+    assert "Traceback" in bug.stderr and "ValueError: internal: an index out of step" in bug.stderr
+    assert "please report it" in bug.stderr
+
+
+def test_the_workloads_own_value_error_keeps_its_traceback(tmp_path):
+    path = tmp_path / "raising_workload.py"
+    path.write_text(textwrap.dedent(TINY) + "\n\ndef raising():\n    raise ValueError('my config has no width')\n")
+    result = invoke("find", f"{path}:raising", "--device", "sim:1MiB")
+    assert result.exit_code == 1 and not result.stderr.startswith("error: ")
+    assert "raising_workload.py" in result.stderr and "ValueError: my config has no width" in result.stderr

@@ -45,6 +45,8 @@ PUBLIC = [
     "Microbatcher",
     "ModelDoesNotFitError",
     "MpsDevice",
+    "InputError",
+    "InputTypeError",
     "NoBatchFitsError",
     "NoiseScale",
     "NoiseScaleEstimator",
@@ -210,3 +212,17 @@ def test_no_user_facing_text_names_the_internal_documents():
         if pattern.search(line)
     ]
     assert found == []
+
+
+def test_every_deliberate_bad_input_error_is_an_input_error():
+    """The command line prints an InputError as the user's mistake and anything else as a bug: so the
+    package raises its bad-input errors as InputError (a ValueError) or InputTypeError (also a TypeError)."""
+    pattern = re.compile(r"raise (ValueError|TypeError)\(")
+    found = [
+        f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}"
+        for path in PACKAGE.rglob("*.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == []
+    assert issubclass(bf.InputError, ValueError) and issubclass(bf.InputTypeError, (bf.InputError, TypeError))

@@ -142,7 +142,8 @@ def library_answers(trainer: Trainer, capacity: str, amp_dtype) -> dict[str, bf.
     batch = default_data_collator(trainer.train_dataset[:4])
     eval_batch = default_data_collator(trainer.eval_dataset[:8])
     optimizer = trainer_like_optimizer(trainer)
-    common = {"optimizer": optimizer, "amp_dtype": amp_dtype, **QUICK}
+    # keep_output=False: the Trainer's own step drops the output inside compute_loss
+    common = {"optimizer": optimizer, "amp_dtype": amp_dtype, "keep_output": False, **QUICK}
     model.train()
     step = micro_step(amp=amp, grads_held=False) if amp else None
     plain = bf.find_max_batch_size(

@@ -17,6 +17,8 @@ from batchfit.devices.presets import ACCELERATORS
 from batchfit.devices.trace import TraceDevice
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.errors import ModelDoesNotFitError
 from batchfit.errors import NoBatchFitsError
 from batchfit.errors import TraceError
@@ -64,6 +66,8 @@ __all__ = [
     "Device",
     "EvalMicrobatcher",
     "GradientAccumulator",
+    "InputError",
+    "InputTypeError",
     "MemoryEstimate",
     "MemoryModel",
     "Microbatcher",

@@ -43,6 +43,7 @@ from batchfit.cli.workloads import load_workload
 from batchfit.devices.resolve import resolve_device
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
+from batchfit.errors import InputError
 from batchfit.search.runner import device_for
 from batchfit.search.runner import search_workload
 from batchfit.search.runner import traces_first
@@ -184,9 +185,9 @@ def estimate(
     from batchfit.search.estimate import estimate_workload
 
     if (gpu is None) == (capacity is None):
-        raise ValueError("give exactly one of --gpu (e.g. --gpu a100-40gb) or --capacity (e.g. --capacity 40GiB)")
+        raise InputError("give exactly one of --gpu (e.g. --gpu a100-40gb) or --capacity (e.g. --capacity 40GiB)")
     if batch_size is not None and batch_size < 1:
-        raise ValueError(f"--batch-size must be a positive integer, got {batch_size}")
+        raise InputError(f"--batch-size must be a positive integer, got {batch_size}")
     reserve_bytes = None if reserve is None else parse_bytes(reserve, what="reserve", allow_zero=True)
     label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
     tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes)
@@ -412,7 +413,7 @@ def plan(
     from batchfit.planning.plan import plan_batch
 
     if workload is not None and micro_batch_size is not None:
-        raise ValueError("give either --micro-batch-size N or a WORKLOAD to measure it on, not both")
+        raise InputError("give either --micro-batch-size N or a WORKLOAD to measure it on, not both")
     check_outputs(json_path)
     settings = SearchSettings(margin=parse_margin(margin))  # checked before any work
     work = dev = None
@@ -421,7 +422,7 @@ def plan(
         dev = device_for(work, device)
         micro_batch_size = _measure_micro_batch(work, dev, settings, accumulating=False)
     if micro_batch_size is None:
-        raise ValueError("give --micro-batch-size N, or a WORKLOAD to measure it on")
+        raise InputError("give --micro-batch-size N, or a WORKLOAD to measure it on")
     planning = functools.partial(
         plan_batch,
         global_batch_size=global_batch_size,

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import traceback
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
 from typing import Any
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from batchfit.cli.workloads import load_workload
 from batchfit.devices.units import format_bytes
+from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
 from batchfit.step.workload import Workload
 
@@ -29,7 +32,14 @@ app = typer.Typer(
 console = Console()
 errors = Console(stderr=True)
 
-USER_ERRORS = (ValueError, TypeError, NoBatchFitsError, OSError)  # OSError: an output path that cannot be written
+# What the user can fix: bad input (every one batchfit raises on purpose is an InputError), an answer that
+# does not exist (nothing fits), and a path that cannot be read or written. Anything else is a bug.
+USER_ERRORS = (InputError, NoBatchFitsError, OSError)
+REPORT_REQUEST = (
+    "batchfit stopped on an error it did not expect. If the traceback above ends in your own code (the "
+    "workload, the model, the loss), the fix is there; otherwise it is a bug in batchfit: please report it "
+    "with the traceback and the output of: python -c 'import batchfit; print(batchfit.versions())'"
+)
 
 
 class Amp(str, Enum):
@@ -107,17 +117,30 @@ def check_outputs(json_path: Path | None = None, plot: Path | None = None) -> No
 
 
 def cli_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """One line on stderr and exit code 2 for the user's mistakes; the traceback only with --debug."""
+    """One line on stderr and exit code 2 for the user's mistakes (the traceback only with
+    --debug); any other error keeps its traceback, asks to be reported, and exits with 1."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
+        except (
+            typer.Exit,
+            typer.Abort,
+            click.exceptions.Exit,
+            click.exceptions.ClickException,
+            click.exceptions.Abort,
+        ):
+            raise  # typer's and click's own exits and usage errors
         except USER_ERRORS as error:
             if kwargs.get("debug"):
                 raise
             errors.print(f"[red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
+        except Exception:
+            traceback.print_exc()
+            errors.print(f"[red]{escape(REPORT_REQUEST)}[/]", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
 
     return wrapper
 

@@ -21,6 +21,7 @@ from batchfit.cli.common import cli_errors
 from batchfit.cli.common import console
 from batchfit.cli.report import write_json
 from batchfit.cli.workloads import load_workload
+from batchfit.errors import InputError
 from batchfit.planning.noise import NoiseScale
 from batchfit.step.batching import batch_length
 from batchfit.step.batching import select_rows
@@ -85,9 +86,9 @@ def critical(
     from batchfit.runtime.noise_measure import measure_noise_scale
 
     if micro_batch_size < 1:
-        raise ValueError(f"--micro-batch-size must be a positive integer, got {micro_batch_size}")
+        raise InputError(f"--micro-batch-size must be a positive integer, got {micro_batch_size}")
     if batch_size <= micro_batch_size:
-        raise ValueError(f"--batch-size ({batch_size}) must be larger than --micro-batch-size ({micro_batch_size})")
+        raise InputError(f"--batch-size ({batch_size}) must be larger than --micro-batch-size ({micro_batch_size})")
     sizes = parse_sizes(batch_sizes) if empirical else []  # checked before any work, not after the measurement
     check_outputs(json_path)
     work = load_workload(workload, sample_size=population, seq_len=seq_len, only_accepted=True)
@@ -143,7 +144,7 @@ def parse_sizes(text: str) -> list[int]:
     except ValueError:
         sizes = []
     if not sizes or min(sizes) < 1:
-        raise ValueError(f"--batch-sizes must be positive integers separated by commas, e.g. 8,16,32, got {text!r}")
+        raise InputError(f"--batch-sizes must be positive integers separated by commas, e.g. 8,16,32, got {text!r}")
     return sizes
 
 
@@ -152,7 +153,7 @@ def _empirical(spec: str, work: Any, population: int, seq_len: int | None, sizes
     from batchfit.step.batching import slice_batch
 
     if work.optimizer is None:
-        raise ValueError("--empirical trains: the workload needs an optimizer")
+        raise InputError("--empirical trains: the workload needs an optimizer")
 
     def build(lr: float) -> tuple[Any, Any]:
         fresh = load_workload(spec, sample_size=population, seq_len=seq_len, only_accepted=True)

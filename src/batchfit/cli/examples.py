@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from batchfit.errors import InputError
 from batchfit.step.workload import Workload
 
 
@@ -109,7 +110,7 @@ class TinyGPT(nn.Module):
         torch.Size([3, 6])
         """
         if ids.shape[1] + max_new_tokens > self.positions.num_embeddings:
-            raise ValueError(
+            raise InputError(
                 f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) is longer than the model's "
                 f"max_len ({self.positions.num_embeddings}): build it with a larger max_len"
             )
@@ -132,7 +133,7 @@ def _check_sizes(**sizes: Any) -> None:
     """The built-ins' sizes must be positive integers: a zero-length sequence would "fit" millions."""
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
 
 
 def gpt_tiny(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from batchfit.errors import InputError
 from batchfit.search.files import atomic_write_bytes
 from batchfit.search.memory_model import MemoryModel
 from batchfit.search.result import SearchResult
@@ -23,7 +24,7 @@ def load_pyplot():
         matplotlib.use("Agg")
         from matplotlib import pyplot
     except ImportError:
-        raise ValueError("plots need matplotlib: pip install 'batchfit[plot]' (or pip install matplotlib)") from None
+        raise InputError("plots need matplotlib: pip install 'batchfit[plot]' (or pip install matplotlib)") from None
     return pyplot
 
 

@@ -24,6 +24,7 @@ from batchfit.cli.common import parse_margin
 from batchfit.cli.workloads import load_workload
 from batchfit.cli.workloads import resolve_factory
 from batchfit.devices.units import format_bytes
+from batchfit.errors import InputError
 from batchfit.search.cache import ResultCache
 from batchfit.search.strategies import STRATEGIES
 from batchfit.sweep.api import sweep_grid as run_sweep
@@ -61,19 +62,19 @@ def parse_grid(specs: list[str]) -> dict[str, list[Any]]:
         name, equals, values = spec.partition("=")
         name = name.strip().replace("-", "_")
         if not equals or not name.isidentifier() or not values.strip():
-            raise ValueError(f"--grid {spec!r} is not NAME=V1,V2,...: write e.g. --grid seq_len=128,256,512")
+            raise InputError(f"--grid {spec!r} is not NAME=V1,V2,...: write e.g. --grid seq_len=128,256,512")
         if name in grid:
-            raise ValueError(f"--grid names {name} twice: give all its values in one --grid {name}=V1,V2")
+            raise InputError(f"--grid names {name} twice: give all its values in one --grid {name}=V1,V2")
         grid[name] = [parse_value(v.strip()) for v in values.split(",") if v.strip()]
     if not grid:
-        raise ValueError("give at least one --grid NAME=V1,V2,... (e.g. --grid seq_len=128,256,512)")
+        raise InputError("give at least one --grid NAME=V1,V2,... (e.g. --grid seq_len=128,256,512)")
     return grid
 
 
 def _factory(spec: str, fixed: dict[str, Any], grid: dict[str, list[Any]]) -> Any:
     clash = sorted(set(fixed) & set(grid))
     if clash:
-        raise ValueError(f"{', '.join(clash)} is both a fixed option and a --grid knob: give it in one place")
+        raise InputError(f"{', '.join(clash)} is both a fixed option and a --grid knob: give it in one place")
     resolve_factory(spec)  # an unknown workload fails before any work
 
     def build(**knobs: Any) -> Any:
@@ -87,7 +88,7 @@ def _measure(spec: str | None) -> Any:
     if spec is None:
         return None
     if ":" not in spec:
-        raise ValueError(f"--measure {spec!r} must be module:function or path/to/file.py:function")
+        raise InputError(f"--measure {spec!r} must be module:function or path/to/file.py:function")
     return resolve_factory(spec)[1]
 
 

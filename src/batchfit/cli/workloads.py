@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.cli.examples import BUILTIN_WORKLOADS
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.step.factory import accepted_options
 from batchfit.step.factory import check_options
 from batchfit.step.workload import Workload
@@ -50,13 +52,13 @@ def _import_mlx(module: str = "batchfit.integrations.mlx") -> Any:
         return importlib.import_module(module)
     except ImportError as error:
         if (error.name or "").split(".")[0] == "mlx":
-            raise ValueError(MLX_MISSING) from None
+            raise InputError(MLX_MISSING) from None
         raise
 
 
 def _load_file(path: Path) -> Any:
     if not path.is_file():
-        raise ValueError(f"workload file {path} does not exist: give {SPEC_HELP}")
+        raise InputError(f"workload file {path} does not exist: give {SPEC_HELP}")
     name = f"batchfit_user_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -67,7 +69,7 @@ def _load_file(path: Path) -> Any:
         _raise_if_mlx_missing(error, str(path))
         raise
     except SyntaxError as error:  # also a file that is not UTF-8 text
-        raise ValueError(f"workload file {path} is not valid Python: {error.msg}, line {error.lineno}") from None
+        raise InputError(f"workload file {path} is not valid Python: {error.msg}, line {error.lineno}") from None
     return module
 
 
@@ -76,7 +78,7 @@ def _load_module(name: str) -> Any:
         return importlib.import_module(name)
     except ModuleNotFoundError as error:
         if error.name and name.startswith(error.name):
-            raise ValueError(
+            raise InputError(
                 f"no module named {name!r}: check the spelling or run from its folder ({SPEC_HELP})"
             ) from None
         _raise_if_mlx_missing(error, name)
@@ -85,14 +87,14 @@ def _load_module(name: str) -> Any:
 
 def _raise_if_mlx_missing(error: ModuleNotFoundError, where: str) -> None:
     if (error.name or "").split(".")[0] == "mlx":
-        raise ValueError(f"{where} imports MLX: {MLX_MISSING}") from None
+        raise InputError(f"{where} imports MLX: {MLX_MISSING}") from None
 
 
 def resolve_factory(spec: str, framework: str | None = "torch") -> tuple[str, Callable[..., Any]]:
     """The workload's name and the function that builds it; ``framework`` (``"torch"``, ``"mlx"``,
     ``None`` for either) says which built-ins count, and with ``"mlx"`` MLX must be installed."""
     if framework not in (*FRAMEWORKS, None):
-        raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+        raise InputError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     if framework == "mlx":
         _import_mlx()
     if spec in BUILTIN_WORKLOADS and framework != "mlx":
@@ -100,21 +102,21 @@ def resolve_factory(spec: str, framework: str | None = "torch") -> tuple[str, Ca
     if spec in MLX_BUILTINS and framework != "torch":
         return spec, getattr(_import_mlx("batchfit.integrations.mlx.examples"), MLX_BUILTINS[spec][0])
     if spec in MLX_BUILTINS:
-        raise ValueError(
+        raise InputError(
             f"{spec} is an MLX workload, not a torch one: only `batchfit find` runs MLX workloads (without --framework torch)"
         )
     if spec in BUILTIN_WORKLOADS:
-        raise ValueError(f"{spec} is a torch workload, not an MLX one: drop --framework mlx")
+        raise InputError(f"{spec} is a torch workload, not an MLX one: drop --framework mlx")
     if ":" not in spec:
         known = ", ".join(
             {"torch": BUILTIN_WORKLOADS, "mlx": MLX_BUILTINS}.get(framework, {**BUILTIN_WORKLOADS, **MLX_BUILTINS})
         )
-        raise ValueError(f"unknown workload {spec!r}: use one of {known}, or module:function / file.py:function")
+        raise InputError(f"unknown workload {spec!r}: use one of {known}, or module:function / file.py:function")
     where, _, function = spec.rpartition(":")
     module = _load_file(Path(where)) if where.endswith(".py") else _load_module(where)
     factory = getattr(module, function, None)
     if not callable(factory):
-        raise ValueError(f"{where} has no function {function!r}: define it to return a batchfit.Workload")
+        raise InputError(f"{where} has no function {function!r}: define it to return a batchfit.Workload")
     return spec, factory
 
 
@@ -146,7 +148,7 @@ def _check_kind(name: str, workload: Any, framework: str | None) -> None:
     if getattr(workload, "framework", None) == "mlx" and framework != "torch":
         return
     wanted = {"torch": "a batchfit.Workload", "mlx": "a batchfit.integrations.mlx.MlxWorkload"}
-    raise TypeError(
+    raise InputTypeError(
         f"{name} returned {type(workload).__name__}, not {wanted.get(framework, 'a batchfit.Workload or an MlxWorkload')}: "
         "return batchfit.Workload(model, sample_batch, loss_fn, optimizer) "
         "(MLX: batchfit.integrations.mlx.MlxWorkload, with --framework mlx)"

@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchfit.devices.units import format_bytes
+from batchfit.errors import InputError
 
 # The simulated OOM message carries the CPU allocator's wording so that tools matching OOMs by
 # message (Lightning, accelerate) recognise it as well.
@@ -82,7 +83,7 @@ class LiveBytes:
         large_rounding_bytes: int | None = None,
     ):
         if rounding_bytes < 1:
-            raise ValueError(f"rounding_bytes must be at least 1, got {rounding_bytes}")
+            raise InputError(f"rounding_bytes must be at least 1, got {rounding_bytes}")
         self.limit_bytes = limit_bytes
         self.rounding_bytes = rounding_bytes
         self.large_rounding_bytes = large_rounding_bytes

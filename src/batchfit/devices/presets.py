@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batchfit.errors import InputError
+
 GIB = 2**30
 CUDA_RESERVE_BYTES = 287_047_680 + 32 * 2**20  # context (lazy loading) + the largest cuBLASLt workspace
 APPLE_WORKING_SET_FRACTION = 0.75
@@ -88,7 +90,7 @@ def preset(name: str) -> Accelerator:
     """
     key = _normalized(name)
     if key not in ACCELERATORS:
-        raise ValueError(
+        raise InputError(
             f"unknown GPU {name!r}: choose one of {', '.join(ACCELERATORS)}, or give a capacity like '40GiB'"
         )
     return ACCELERATORS[key]
@@ -99,5 +101,5 @@ def usable_bytes(name: str, reserve_bytes: int | None = None) -> int:
     accelerator = preset(name)
     reserve = accelerator.reserve_bytes if reserve_bytes is None else reserve_bytes
     if not 0 <= reserve < accelerator.memory_bytes:
-        raise ValueError(f"reserve_bytes must be in [0, {accelerator.memory_bytes}), got {reserve}")
+        raise InputError(f"reserve_bytes must be in [0, {accelerator.memory_bytes}), got {reserve}")
     return accelerator.memory_bytes - reserve

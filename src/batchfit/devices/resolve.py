@@ -9,6 +9,8 @@ from batchfit.devices.cpu import CpuDevice
 from batchfit.devices.cuda import CudaDevice
 from batchfit.devices.mps import MpsDevice
 from batchfit.devices.simulated import SimulatedDevice
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 
 DEVICE_HELP = "use 'auto', 'cpu', 'cuda', 'cuda:N', 'mps', 'sim:CAPACITY' (e.g. 'sim:8GiB') or a batchfit Device"
 DEFAULT_SIMULATED_CAPACITY = "256MiB"  # small enough that a demo on two CPU cores takes seconds
@@ -36,15 +38,15 @@ def from_torch_device(device: torch.device) -> Device:
     """The batchfit Device for a ``torch.device``."""
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"CUDA is not available on this machine: {DEVICE_HELP}")
+            raise InputError(f"CUDA is not available on this machine: {DEVICE_HELP}")
         return CudaDevice(device.index)
     if device.type == "mps":
         if not torch.backends.mps.is_available():
-            raise ValueError(f"MPS is not available on this machine: {DEVICE_HELP}")
+            raise InputError(f"MPS is not available on this machine: {DEVICE_HELP}")
         return MpsDevice()
     if device.type == "cpu":
         return CpuDevice()
-    raise ValueError(f"device type {device.type!r} is not supported yet: {DEVICE_HELP}")
+    raise InputError(f"device type {device.type!r} is not supported yet: {DEVICE_HELP}")
 
 
 def from_string(spec: str) -> Device:
@@ -57,7 +59,7 @@ def from_string(spec: str) -> Device:
     try:
         device = torch.device(text)
     except RuntimeError:
-        raise ValueError(f"unknown device {spec!r}: {DEVICE_HELP}") from None
+        raise InputError(f"unknown device {spec!r}: {DEVICE_HELP}") from None
     return from_torch_device(device)
 
 
@@ -71,6 +73,6 @@ def resolve_device(spec: Device | torch.device | str | None, model: torch.nn.Mod
         return from_torch_device(spec)
     if isinstance(spec, Device):
         return spec
-    raise TypeError(
+    raise InputTypeError(
         f"device must be a string, a torch.device or a batchfit Device, got {type(spec).__name__}: {DEVICE_HELP}"
     )

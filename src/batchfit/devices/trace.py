@@ -37,6 +37,7 @@ from batchfit.devices.simulated import CUDA_BLOCK_BYTES
 from batchfit.devices.simulated import SimulatedDevice
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
+from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
 from batchfit.errors import TraceError
 from batchfit.step.batching import map_tensors
@@ -190,7 +191,7 @@ def trace_capacity_bytes(capacity: int | str, reserve_bytes: int | None = None) 
         if not isinstance(capacity, str):
             raise
         names = ", ".join(ACCELERATORS)
-        raise ValueError(f"capacity {capacity!r} is neither a size like '40GiB' nor a GPU preset ({names})") from None
+        raise InputError(f"capacity {capacity!r} is neither a size like '40GiB' nor a GPU preset ({names})") from None
 
 
 class _FakeWorkloadBuilder:
@@ -324,7 +325,7 @@ def as_trace_device(spec: TraceDevice | SimulatedDevice | int | str | None) -> T
     if isinstance(spec, SimulatedDevice):
         return TraceDevice(spec.capacity_bytes(), rounding_bytes=spec.counter.rounding_bytes)
     if isinstance(spec, bool) or not isinstance(spec, (int, str)):
-        raise ValueError(f"an estimate cannot run on device {spec!r} ({type(spec).__name__}): {TRACE_DEVICE_HELP}")
+        raise InputError(f"an estimate cannot run on device {spec!r} ({type(spec).__name__}): {TRACE_DEVICE_HELP}")
     capacity = spec
     if isinstance(spec, str) and spec.strip().lower().startswith(("sim:", "trace:")):
         capacity = spec.strip().split(":", 1)[1]
@@ -332,6 +333,6 @@ def as_trace_device(spec: TraceDevice | SimulatedDevice | int | str | None) -> T
         return TraceDevice(capacity)
     except (ValueError, TypeError):
         presets = ", ".join(ACCELERATORS)
-        raise ValueError(
+        raise InputError(
             f"an estimate cannot run on device {spec!r}: {TRACE_DEVICE_HELP} (presets: {presets})"
         ) from None

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
+
 _MULTIPLIERS = {
     "": 1,
     "b": 1,
@@ -27,18 +30,18 @@ def parse_bytes(value: int | str, *, what: str = "capacity", allow_zero: bool = 
     1610612736
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"{what} must be a byte count or a string like '8GiB', got {value!r}")
+        raise InputTypeError(f"{what} must be a byte count or a string like '8GiB', got {value!r}")
     if isinstance(value, int):
         if value < 0 or (value == 0 and not allow_zero):
-            raise ValueError(f"{what} must be positive, got {value}")
+            raise InputError(f"{what} must be positive, got {value}")
         return value
     match = _PATTERN.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _MULTIPLIERS:
-        raise ValueError(f"{what} {value!r} is not a size: write it like '512MiB', '8GiB' or '1.5GB'")
+        raise InputError(f"{what} {value!r} is not a size: write it like '512MiB', '8GiB' or '1.5GB'")
     count = int(float(match.group(1)) * _MULTIPLIERS[unit])
     if count < 0 or (count == 0 and not allow_zero):
-        raise ValueError(f"{what} must be positive, got {value!r}")
+        raise InputError(f"{what} must be positive, got {value!r}")
     return count
 
 

@@ -31,6 +31,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only where lightning is missing
     raise ImportError("batchfit's Lightning integration needs Lightning: pip install 'batchfit[lightning]'") from error
 
+from batchfit.errors import InputError
 from batchfit.integrations.result import LOOP_HEADROOM
 from batchfit.integrations.result import FitResult
 from batchfit.integrations.result import deprecated_alias
@@ -122,7 +123,7 @@ class BatchFit(pl.Callback):
         if global_batch_size is not None and (
             not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size < 1
         ):
-            raise ValueError(f"global_batch_size must be a positive integer or None, got {global_batch_size!r}")
+            raise InputError(f"global_batch_size must be a positive integer or None, got {global_batch_size!r}")
         self.batch_arg_name = batch_arg_name
         self.global_batch_size = global_batch_size
         self.device = device
@@ -141,7 +142,7 @@ class BatchFit(pl.Callback):
     def fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> BatchFitResult:
         """Search, set the batch size (and accumulation), log, and return what was set."""
         if not lightning_hasattr(pl_module, self.batch_arg_name):
-            raise ValueError(
+            raise InputError(
                 f"{self.batch_arg_name!r} is not an attribute of the module, its hparams or the datamodule: "
                 "add it there, or pass BatchFit(batch_arg_name=...) naming the one your train_dataloader() reads"
             )
@@ -218,7 +219,7 @@ def train_dataloader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
         return datamodule.train_dataloader()
     if not from_fit_call and is_overridden("train_dataloader", pl_module):
         return pl_module.train_dataloader()
-    raise ValueError(
+    raise InputError(
         "BatchFit sets the batch size that train_dataloader() reads, so the loader must come from a "
         "LightningDataModule or the module's train_dataloader(), not from dataloaders passed to fit()"
     )
@@ -227,7 +228,7 @@ def train_dataloader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
 def lightning_workload(trainer: pl.Trainer, pl_module: pl.LightningModule, sample_batch: Any) -> Workload:
     """A batchfit ``Workload`` whose step is the module's ``training_step`` with the trainer's optimizer."""
     if not pl_module.automatic_optimization:
-        raise ValueError(
+        raise InputError(
             "BatchFit probes automatic optimization only: with manual optimization, build a "
             "batchfit.Workload with a step_fn that runs your step, and call batchfit.search_workload"
         )
@@ -256,7 +257,7 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
         return _first_optimizer(configured["optimizer"])
     if isinstance(configured, (list, tuple)) and configured:
         return _first_optimizer(configured[0])
-    raise ValueError("configure_optimizers() returned no optimizer: BatchFit probes the optimizer step too")
+    raise InputError("configure_optimizers() returned no optimizer: BatchFit probes the optimizer step too")
 
 
 def _training_step(pl_module: pl.LightningModule, batch: Any) -> torch.Tensor:
@@ -264,7 +265,7 @@ def _training_step(pl_module: pl.LightningModule, batch: Any) -> torch.Tensor:
         output = pl_module.training_step(batch, 0)
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if loss is None:
-        raise ValueError("training_step returned no loss on the probe batch: BatchFit needs a step that trains")
+        raise InputError("training_step returned no loss on the probe batch: BatchFit needs a step that trains")
     return loss
 
 

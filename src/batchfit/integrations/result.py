@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
+from batchfit.errors import InputError
 from batchfit.planning.plan import BatchPlan
 from batchfit.planning.plan import plan_batch
 from batchfit.search.result import SearchResult
@@ -75,7 +76,7 @@ class FitResult:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "world_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
         object.__setattr__(self, "applied", dict(self.applied))  # a copy: the caller's dict stays theirs
         object.__setattr__(self, "previous", dict(self.previous))
 
@@ -186,7 +187,7 @@ def plan_global_batch(
     >>> plan = plan_global_batch(4, 61, 1)
     Traceback (most recent call last):
     ...
-    ValueError: a global batch of 61 cannot be split exactly into micro-batches of at most 4 on 1 device(s): the closest is 60 (4 x 15 x 1); choose a global batch with a divisor near 4 per device, or pass allow_inexact=True
+    batchfit.errors.InputError: a global batch of 61 cannot be split exactly into micro-batches of at most 4 on 1 device(s): the closest is 60 (4 x 15 x 1); choose a global batch with a divisor near 4 per device, or pass allow_inexact=True
     >>> plan_global_batch(4, 64, 1, allow_inexact=False).gradient_accumulation_steps
     16
     """
@@ -199,7 +200,7 @@ def plan_global_batch(
         f"({plan.micro_batch_size} x {plan.gradient_accumulation_steps} x {world_size})"
     )
     if not allow_inexact:
-        raise ValueError(
+        raise InputError(
             f"{message}; choose a global batch with a divisor near {max_micro_batch_size} per device, "
             "or pass allow_inexact=True"
         )

@@ -34,6 +34,8 @@ except ImportError as error:  # pragma: no cover - exercised only where transfor
         "batchfit's Transformers integration needs transformers and accelerate: pip install 'batchfit[transformers]'"
     ) from error
 
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.integrations.result import LOOP_HEADROOM
 from batchfit.integrations.result import FitResult
 from batchfit.integrations.result import deprecated_alias
@@ -124,7 +126,7 @@ def _first_batch(loader: Any, what: str) -> Any:
     try:
         return next(iterator)
     except StopIteration:
-        raise ValueError(
+        raise InputError(
             f"the {what} dataloader yields no batch: give the Trainer a non-empty {what} dataset"
         ) from None
     finally:
@@ -236,7 +238,7 @@ def _optimizer_state_made(model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 def _check(trainer: Any, global_batch_size: Any, max_batch_size: Any) -> None:
     if not isinstance(trainer, Trainer):
-        raise TypeError(
+        raise InputTypeError(
             f"fit_trainer needs a transformers.Trainer, got {type(trainer).__name__}: "
             "for a model, TrainingArguments and a dataset use fit_training_args"
         )
@@ -249,9 +251,9 @@ def _check(trainer: Any, global_batch_size: Any, max_batch_size: Any) -> None:
         ("max_batch_size", max_batch_size, "the largest per-device batch to try, or None"),
     ):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name} must be a positive integer ({meaning}), got {value!r}")
+            raise InputError(f"{name} must be a positive integer ({meaning}), got {value!r}")
     if trainer.train_dataset is None:
-        raise ValueError("the trainer has no train_dataset to take a batch from: pass Trainer(train_dataset=...)")
+        raise InputError("the trainer has no train_dataset to take a batch from: pass Trainer(train_dataset=...)")
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise NotImplementedError(
             "DeepSpeed fixes the batch sizes in its config when the Trainer is built: set "
@@ -415,7 +417,7 @@ def fit_training_args(
     >>> Trainer(model=model, args=args, train_dataset=train_dataset).train()   # doctest: +SKIP
     """
     if not isinstance(args, TrainingArguments):
-        raise TypeError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
+        raise InputTypeError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
     rng = save_rng()
     try:
         trainer = Trainer(
@@ -441,7 +443,7 @@ class BatchFitCallback(TrainerCallback):
 
     def __init__(self, fit: TrainerFit) -> None:
         if not isinstance(fit, TrainerFit):
-            raise TypeError(
+            raise InputTypeError(
                 f"BatchFitCallback needs the TrainerFit that fit_trainer returns, got {type(fit).__name__}: "
                 "fit_trainer(trainer) adds one itself"
             )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from batchfit.errors import InputError
+
 # Typical global batches (common small-scale settings; LLaMA from Touvron et al. 2023, ImageNet from
 # Goyal et al. 2017): unit, size, and a learning rate where known.
 REFERENCE_BATCHES: dict[str, dict[str, object]] = {
@@ -39,7 +41,7 @@ REFERENCE_BATCHES: dict[str, dict[str, object]] = {
 def reference(family: str) -> dict[str, object]:
     key = family.strip().lower()
     if key not in REFERENCE_BATCHES:
-        raise ValueError(f"unknown model family {family!r}: choose one of {', '.join(REFERENCE_BATCHES)}")
+        raise InputError(f"unknown model family {family!r}: choose one of {', '.join(REFERENCE_BATCHES)}")
     return REFERENCE_BATCHES[key]
 
 
@@ -76,7 +78,7 @@ def workload_distribution(throughput: dict[str, float], global_batch: int) -> di
     ``global_batch``); the ``hardware_calibration`` block of a training coordinator's batch
     configuration."""
     if not throughput or any(value <= 0 for value in throughput.values()):
-        raise ValueError("worker throughput must be positive samples/s for every worker, e.g. {'worker-0': 850.0}")
+        raise InputError("worker throughput must be positive samples/s for every worker, e.g. {'worker-0': 850.0}")
     total = sum(throughput.values())
     shares = {name: value / total for name, value in throughput.items()}
     exact = {name: share * global_batch for name, share in shares.items()}
@@ -119,9 +121,9 @@ def batch_schedule(
     from batchfit.planning.lr import scale_learning_rate
 
     if ramp not in ("linear", "exponential"):
-        raise ValueError(f"ramp must be 'linear' or 'exponential', got {ramp!r}")
+        raise InputError(f"ramp must be 'linear' or 'exponential', got {ramp!r}")
     if not 1 <= start <= maximum or epochs < 1:
-        raise ValueError(f"need 1 <= start <= maximum and epochs >= 1, got {start=}, {maximum=}, {epochs=}")
+        raise InputError(f"need 1 <= start <= maximum and epochs >= 1, got {start=}, {maximum=}, {epochs=}")
     per_step = micro_batch_size * devices
     stages = []
     for epoch in range(epochs):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from dataclasses import fields
 from typing import Any
 
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.planning.advice import REFERENCE_BATCHES
 from batchfit.planning.lr import LR_RULES
 
@@ -24,7 +26,7 @@ RAMPS = ("linear", "exponential")
 def positive_int(name: str, value: Any) -> None:
     """A ``ValueError`` unless ``value`` is an integer of at least 1 (``True`` is not a count)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise InputError(f"{name} must be a positive integer, got {value!r}")
 
 
 def optional_positive_int(name: str, value: Any) -> None:
@@ -49,7 +51,7 @@ class BatchTarget:
     >>> BatchTarget(global_batch_tokens=4096)
     Traceback (most recent call last):
     ...
-    ValueError: global_batch_tokens needs seq_len (tokens per sample): total = micro x seq_len x accumulation x devices
+    batchfit.errors.InputError: global_batch_tokens needs seq_len (tokens per sample): total = micro x seq_len x accumulation x devices
     """
 
     global_batch_size: int | str | None = None
@@ -63,14 +65,14 @@ class BatchTarget:
 
     def __post_init__(self) -> None:
         if self.global_batch_size is not None and self.global_batch_tokens is not None:
-            raise ValueError(
+            raise InputError(
                 "give exactly one target: global_batch_size (samples) or global_batch_tokens (with seq_len)"
             )
         if self.global_batch_size != "critical":
             optional_positive_int("global_batch_size", self.global_batch_size)
         optional_positive_int("global_batch_tokens", self.global_batch_tokens)
         if self.global_batch_tokens is not None and self.seq_len is None:
-            raise ValueError(
+            raise InputError(
                 "global_batch_tokens needs seq_len (tokens per sample): total = micro x seq_len x accumulation x devices"
             )
         optional_positive_int("seq_len", self.seq_len)
@@ -91,7 +93,7 @@ class LearningRateConfig:
     >>> LearningRateConfig(base_lr=0.1)
     Traceback (most recent call last):
     ...
-    ValueError: give base_lr and base_batch_size together: the learning rate and the batch it was tuned at
+    batchfit.errors.InputError: give base_lr and base_batch_size together: the learning rate and the batch it was tuned at
     """
 
     base_lr: float | None = None
@@ -107,18 +109,18 @@ class LearningRateConfig:
 
     def __post_init__(self) -> None:
         if self.base_lr is not None and not (_number(self.base_lr) and self.base_lr > 0):
-            raise ValueError(f"base_lr must be a positive, finite number, got {self.base_lr!r}")
+            raise InputError(f"base_lr must be a positive, finite number, got {self.base_lr!r}")
         if (self.base_lr is None) != (self.base_batch_size is None):
-            raise ValueError(
+            raise InputError(
                 "give base_lr and base_batch_size together: the learning rate and the batch it was tuned at"
             )
         optional_positive_int("base_batch_size", self.base_batch_size)
         if self.lr_scaling not in LR_RULES:
-            raise ValueError(f"lr_scaling must be one of {', '.join(LR_RULES)}, got {self.lr_scaling!r}")
+            raise InputError(f"lr_scaling must be one of {', '.join(LR_RULES)}, got {self.lr_scaling!r}")
         for name in ("warmup_epochs", "warmup_steps"):
             value = getattr(self, name)
             if value is not None and not (_number(value) and value >= 0):
-                raise ValueError(f"warmup_epochs and warmup_steps cannot be negative, got {name}={value!r}")
+                raise InputError(f"warmup_epochs and warmup_steps cannot be negative, got {name}={value!r}")
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ class TrainingRun:
     >>> TrainingRun(schedule_from=64)
     Traceback (most recent call last):
     ...
-    ValueError: a batch-size schedule needs epochs: the ramp runs from schedule_from to the target over them
+    batchfit.errors.InputError: a batch-size schedule needs epochs: the ramp runs from schedule_from to the target over them
     """
 
     dataset_size: int | None = None
@@ -148,11 +150,11 @@ class TrainingRun:
         optional_positive_int("epochs", self.epochs)
         optional_positive_int("schedule_from", self.schedule_from)
         if self.schedule_from is not None and self.epochs is None:
-            raise ValueError(
+            raise InputError(
                 "a batch-size schedule needs epochs: the ramp runs from schedule_from to the target over them"
             )
         if self.schedule_ramp not in RAMPS:
-            raise ValueError(f"schedule_ramp must be one of {', '.join(RAMPS)}, got {self.schedule_ramp!r}")
+            raise InputError(f"schedule_ramp must be one of {', '.join(RAMPS)}, got {self.schedule_ramp!r}")
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,7 @@ class AdviceInputs:
     >>> AdviceInputs(goal="fame")
     Traceback (most recent call last):
     ...
-    ValueError: goal must be one of accuracy, speed, memory, got 'fame'
+    batchfit.errors.InputError: goal must be one of accuracy, speed, memory, got 'fame'
     """
 
     has_batchnorm: bool = False
@@ -187,21 +189,21 @@ class AdviceInputs:
 
     def __post_init__(self) -> None:
         if self.goal is not None and self.goal not in GOALS:
-            raise ValueError(f"goal must be one of {', '.join(GOALS)}, got {self.goal!r}")
+            raise InputError(f"goal must be one of {', '.join(GOALS)}, got {self.goal!r}")
         if self.capacity_gib is not None and not (_number(self.capacity_gib) and self.capacity_gib > 0):
-            raise ValueError(f"capacity_gib must be a positive number of GiB, got {self.capacity_gib!r}")
+            raise InputError(f"capacity_gib must be a positive number of GiB, got {self.capacity_gib!r}")
         if self.weight_decay is not None and not (_number(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(f"weight_decay must be a non-negative number, got {self.weight_decay!r}")
+            raise InputError(f"weight_decay must be a non-negative number, got {self.weight_decay!r}")
         if self.model_family is not None and (
             not isinstance(self.model_family, str) or self.model_family.strip().lower() not in REFERENCE_BATCHES
         ):
-            raise ValueError(
+            raise InputError(
                 f"unknown model family {self.model_family!r}: choose one of {', '.join(REFERENCE_BATCHES)}"
             )
         if self.worker_throughput is not None:
             throughput = dict(self.worker_throughput)  # a copy: the caller's dict may change later
             if not throughput or not all(_number(v) and v > 0 for v in throughput.values()):
-                raise ValueError(
+                raise InputError(
                     "worker throughput must be positive samples/s for every worker, e.g. {'worker-0': 850.0}"
                 )
             object.__setattr__(self, "worker_throughput", throughput)
@@ -212,7 +214,7 @@ def merge(name: str, config: Any, flat: Any) -> Any:
     if config is None:
         return flat
     if not isinstance(config, type(flat)):
-        raise TypeError(f"{name} must be a {type(flat).__name__}, got {type(config).__name__}")
+        raise InputTypeError(f"{name} must be a {type(flat).__name__}, got {type(config).__name__}")
     if not _is_default(flat):
-        raise TypeError(f"give {name}={type(flat).__name__}(...) or its fields as keywords, not both")
+        raise InputTypeError(f"give {name}={type(flat).__name__}(...) or its fields as keywords, not both")
     return config

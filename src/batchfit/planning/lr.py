@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from batchfit.errors import InputError
+
 LR_RULES = ("linear", "sqrt", "none")
 
 
@@ -19,7 +21,7 @@ def scale_learning_rate(base_lr: float, scale: float, rule: str) -> float:
     0.4
     """
     if rule not in LR_RULES:
-        raise ValueError(f"lr_scaling must be one of {', '.join(LR_RULES)}, got {rule!r}")
+        raise InputError(f"lr_scaling must be one of {', '.join(LR_RULES)}, got {rule!r}")
     factor = {"linear": scale, "sqrt": math.sqrt(scale), "none": 1.0}[rule]
     return base_lr * factor
 
@@ -51,9 +53,9 @@ def warmup_cosine(warmup_steps: int, total_steps: int, schedule: str = "cosine")
     (0.0, 0.5, 1.0, 0.5, 0.0)
     """
     if schedule not in ("cosine", "constant"):
-        raise ValueError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
+        raise InputError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
     if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
-        raise ValueError(
+        raise InputError(
             f"need 0 <= warmup_steps <= total_steps and total_steps >= 1, got {warmup_steps=}, {total_steps=}"
         )
 

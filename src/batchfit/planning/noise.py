@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from batchfit.errors import InputError
+
 BOOTSTRAP_SAMPLES = 400
 
 
@@ -28,7 +30,7 @@ def two_batch_estimates(small_sq: float, small_batch: float, big_sq: float, big_
     (1.0, 4.0)
     """
     if not big_batch > small_batch > 0:
-        raise ValueError(f"the big batch must be larger than the small one, got {small_batch=} and {big_batch=}")
+        raise InputError(f"the big batch must be larger than the small one, got {small_batch=} and {big_batch=}")
     grad_norm_sq = (big_batch * big_sq - small_batch * small_sq) / (big_batch - small_batch)
     trace_sigma = (small_sq - big_sq) / (1 / small_batch - 1 / big_batch)
     return grad_norm_sq, trace_sigma
@@ -120,7 +122,7 @@ class NoiseScaleEstimator:
 
     def __init__(self, ema_decay: float | None = None):
         if ema_decay is not None and not 0 < ema_decay < 1:
-            raise ValueError(f"ema_decay must be in (0, 1) or None (a plain average), got {ema_decay!r}")
+            raise InputError(f"ema_decay must be in (0, 1) or None (a plain average), got {ema_decay!r}")
         self.ema_decay = ema_decay
         self.grad_norm_sq: list[float] = []
         self.trace_sigma: list[float] = []
@@ -142,12 +144,12 @@ class NoiseScaleEstimator:
         """The noise scale from the averages, with a bootstrap over steps for its uncertainty."""
         steps = len(self.grad_norm_sq)
         if steps < 2:
-            raise ValueError(f"the noise scale needs at least 2 steps, got {steps}: measure for more steps")
+            raise InputError(f"the noise scale needs at least 2 steps, got {steps}: measure for more steps")
         weights = self._weights()
         g, s = np.array(self.grad_norm_sq), np.array(self.trace_sigma)
         grad_norm_sq, trace_sigma = float(weights @ g / weights.sum()), float(weights @ s / weights.sum())
         if grad_norm_sq <= 0 or trace_sigma <= 0:
-            raise ValueError(
+            raise InputError(
                 f"the gradient signal is below the noise here (|G|² ≈ {grad_norm_sq:.3g}, tr Σ ≈ {trace_sigma:.3g}): "
                 "measure for more steps or with a larger big batch"
             )
@@ -192,7 +194,7 @@ def critical_target(noise_scale: float, micro_batch_size: int, devices: int) -> 
     (288, [])
     """
     if not math.isfinite(noise_scale) or noise_scale <= 0:
-        raise ValueError(f"the noise scale must be a positive number, got {noise_scale!r}")
+        raise InputError(f"the noise scale must be a positive number, got {noise_scale!r}")
     unit = micro_batch_size * devices
     most = unit * MAX_ACCUMULATION_STEPS
     if noise_scale > most:
@@ -271,7 +273,7 @@ def noise_scale_value(noise_scale: Any) -> float | None:
         return None
     value = getattr(noise_scale, "b_simple", noise_scale)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"noise_scale must be a NoiseScale or a positive B_simple, got {noise_scale!r}")
+        raise InputError(f"noise_scale must be a NoiseScale or a positive B_simple, got {noise_scale!r}")
     return float(value)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
+from batchfit.errors import InputError
 from batchfit.planning.advice import Stage
 from batchfit.planning.advice import batch_schedule
 from batchfit.planning.advice import reference
@@ -102,7 +103,7 @@ class BatchPlan:
         for name in ("micro_batch_size", "gradient_accumulation_steps", "devices", "target_samples"):
             positive_int(name, getattr(self, name))
         if self.lr_scaling not in LR_RULES:
-            raise ValueError(f"lr_scaling must be one of {', '.join(LR_RULES)}, got {self.lr_scaling!r}")
+            raise InputError(f"lr_scaling must be one of {', '.join(LR_RULES)}, got {self.lr_scaling!r}")
 
     @property
     def global_batch_size(self) -> int:
@@ -132,7 +133,7 @@ class BatchPlan:
     def lr_lambda(self, schedule: str = "cosine"):
         """The LR multiplier per optimizer step: linear warmup, then cosine decay or constant."""
         if self.total_steps is None:
-            raise ValueError("the LR schedule needs dataset_size and epochs in plan_batch")
+            raise InputError("the LR schedule needs dataset_size and epochs in plan_batch")
         return warmup_cosine(self.warmup_steps or 0, self.total_steps, schedule)
 
     def lr_scheduler(self, optimizer: Any, schedule: str = "cosine") -> Any:
@@ -243,7 +244,7 @@ class _Rate:
 
 def _target_samples(target: BatchTarget) -> tuple[int, list[str]]:
     if not target.given:
-        raise ValueError("give exactly one target: global_batch_size (samples) or global_batch_tokens (with seq_len)")
+        raise InputError("give exactly one target: global_batch_size (samples) or global_batch_tokens (with seq_len)")
     if target.global_batch_size is not None:
         return target.global_batch_size, []
     tokens, seq_len = target.global_batch_tokens, target.seq_len
@@ -259,7 +260,7 @@ def _split(target: int, devices: int, largest_micro: int) -> tuple[int, int, lis
     divide by the devices, the closest achievable batch (micro-batches of at least half the
     largest), stated."""
     if target < devices:
-        raise ValueError(
+        raise InputError(
             f"the global batch ({target} samples) is smaller than one sample per device ({devices} devices)"
         )
     per_device = target / devices
@@ -452,7 +453,7 @@ def _resolve_target(
     if target.global_batch_size != "critical":
         return _target_samples(target)
     if phi is None:
-        raise ValueError("global_batch_size='critical' needs noise_scale: measure_noise_scale(...) or B_simple")
+        raise InputError("global_batch_size='critical' needs noise_scale: measure_noise_scale(...) or B_simple")
     samples, critical_notes = critical_target(phi, micro_batch_size, devices)
     return samples, critical_notes
 
@@ -525,7 +526,7 @@ def _warmup_steps(rate: _Rate, shape: _Shape) -> int | None:
         steps = rate.warmup_epochs * per_epoch
     total = shape.total_steps
     if steps is not None and total is not None and steps > total:
-        raise ValueError(f"warmup ({steps} steps) is longer than the run ({total} steps): shorten it")
+        raise InputError(f"warmup ({steps} steps) is longer than the run ({total} steps): shorten it")
     return steps
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from batchfit.errors import InputError
 from batchfit.planning.noise import NoiseScaleEstimator
 from batchfit.runtime.noise_measure import GradientWatcher
 from batchfit.search import distributed
@@ -88,7 +89,7 @@ class GradientAccumulator:
         noise: NoiseScaleEstimator | None = None,
     ):
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
+            raise InputError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
         self.model, self.optimizer = model, optimizer
         self.micro_batch_size = micro_batch_size
         self.loss_fn, self.step_fn = loss_fn, step_fn

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from batchfit.errors import InputError
 from batchfit.planning.lr import scale_learning_rate
 from batchfit.step.batching import batch_length
 from batchfit.step.batching import select_rows
@@ -142,11 +143,11 @@ def critical_batch_by_training(
     """
     sizes = sorted(set(batch_sizes))
     if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
-        raise ValueError(f"batch_sizes must be positive integers, got {batch_sizes!r}")
+        raise InputError(f"batch_sizes must be positive integers, got {batch_sizes!r}")
     if not isinstance(samples, int) or samples < sizes[-1]:
-        raise ValueError(f"samples must be an integer of at least the largest batch ({sizes[-1]}), got {samples!r}")
+        raise InputError(f"samples must be an integer of at least the largest batch ({sizes[-1]}), got {samples!r}")
     if sizes[-1] > batch_length(train):
-        raise ValueError(
+        raise InputError(
             f"the largest batch ({sizes[-1]}) is larger than the training data ({batch_length(train)} rows)"
         )
     base = base_batch_size or sizes[0]

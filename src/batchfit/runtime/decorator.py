@@ -17,6 +17,8 @@ from typing import TypeVar
 
 from batchfit.devices.cleanup import free_memory
 from batchfit.devices.oom import is_oom
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.errors import NoBatchFitsError
 from batchfit.search.strategies import Power
 from batchfit.search.strategies import SearchSpace
@@ -123,14 +125,14 @@ class ExecutableBatchSize:
     def _check_call(self, args: tuple, kwargs: dict) -> None:
         first = next(iter(self.signature.parameters), None)
         if first is not None and first in kwargs:
-            raise TypeError(
+            raise InputTypeError(
                 f"{self.__name__}() got {first}= from the caller: the decorator passes the batch size; "
                 f"call {self.__name__}() without it"
             )
         try:
             self.signature.bind(0, *args, **kwargs)
         except TypeError as error:
-            raise TypeError(
+            raise InputTypeError(
                 f"{self.__name__}{self.signature}: {error}. The decorator passes the batch size as the "
                 f"first argument: call {self.__name__}() with the other arguments only"
             ) from None
@@ -139,15 +141,17 @@ class ExecutableBatchSize:
 def _check(start: int | None, max_batch_size: int | None, min_batch_size: int, backoff: float, probe: Any) -> None:
     for name, value in (("start", start), ("max_batch_size", max_batch_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+            raise InputError(f"{name} must be a positive integer or None, got {value!r}")
     if not isinstance(min_batch_size, int) or min_batch_size < 1:
-        raise ValueError(f"min_batch_size must be a positive integer, got {min_batch_size!r}")
+        raise InputError(f"min_batch_size must be a positive integer, got {min_batch_size!r}")
     if max_batch_size is not None and max_batch_size < min_batch_size:
-        raise ValueError(f"max_batch_size ({max_batch_size}) must be at least min_batch_size ({min_batch_size})")
+        raise InputError(f"max_batch_size ({max_batch_size}) must be at least min_batch_size ({min_batch_size})")
     if not isinstance(backoff, (int, float)) or not 0 < backoff < 1:
-        raise ValueError(f"backoff must be a factor in (0, 1), e.g. 0.5 to halve, got {backoff!r}")
+        raise InputError(f"backoff must be a factor in (0, 1), e.g. 0.5 to halve, got {backoff!r}")
     if probe is not None and not callable(probe):
-        raise TypeError(f"probe must be a callable probe(batch_size) that runs one step, got {type(probe).__name__}")
+        raise InputTypeError(
+            f"probe must be a callable probe(batch_size) that runs one step, got {type(probe).__name__}"
+        )
 
 
 def executable_batch_size(

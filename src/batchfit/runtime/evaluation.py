@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 
 from batchfit.devices.oom import is_oom
 from batchfit.devices.resolve import resolve_device
+from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
 from batchfit.runtime.microbatch import device_accounting
 from batchfit.runtime.microbatch import warn_renamed
@@ -30,7 +31,7 @@ class EvalSettings:
     def __post_init__(self) -> None:
         size = self.micro_batch_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"micro_batch_size must be a positive integer, got {size!r}")
+            raise InputError(f"micro_batch_size must be a positive integer, got {size!r}")
 
 
 class EvalMicrobatcher:

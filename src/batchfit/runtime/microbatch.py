@@ -18,6 +18,7 @@ import torch
 from batchfit.devices.cleanup import drain_autograd_queue
 from batchfit.devices.oom import is_oom
 from batchfit.devices.resolve import resolve_device
+from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
 from batchfit.planning.noise import NoiseScaleEstimator
 from batchfit.runtime.accumulate import backward_micro_batches
@@ -85,7 +86,7 @@ class MicrobatcherSettings:
     >>> MicrobatcherSettings(micro_batch_size=0)
     Traceback (most recent call last):
     ...
-    ValueError: micro_batch_size must be a positive integer or None, got 0
+    batchfit.errors.InputError: micro_batch_size must be a positive integer or None, got 0
     """
 
     micro_batch_size: int | None = None
@@ -107,18 +108,18 @@ class MicrobatcherSettings:
         for name in ("micro_batch_size", "max_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+                raise InputError(f"{name} must be a positive integer or None, got {value!r}")
         if self.grow_after is not None and self.grow_after < 1:
-            raise ValueError(f"grow_after must be at least 1 or None, got {self.grow_after!r}")
+            raise InputError(f"grow_after must be at least 1 or None, got {self.grow_after!r}")
         if self.weight not in ("samples", "tokens"):
-            raise ValueError(
+            raise InputError(
                 "weight must be 'samples' (a loss averaged per sample) or 'tokens' (a loss averaged per token), "
                 f"got {self.weight!r}"
             )
         object.__setattr__(self, "amp_dtype", amp_dtype_of(self.amp_dtype))
         floor = self.search.min_batch_size
         if self.micro_batch_size is not None and self.micro_batch_size < floor:
-            raise ValueError(
+            raise InputError(
                 f"micro_batch_size ({self.micro_batch_size}) is below min_batch_size ({floor}): raise it or lower the floor"
             )
 
@@ -149,7 +150,7 @@ def default_tokens_per_sample(batch: Any) -> torch.Tensor:
         return batch["attention_mask"].sum(dim=1)
     sequence = next((t for t in tensor_leaves(batch) if t.dim() >= 2), None)
     if sequence is None:
-        raise ValueError("max_tokens needs sequences: give tokens_per_sample(batch) -> tokens of each sample")
+        raise InputError("max_tokens needs sequences: give tokens_per_sample(batch) -> tokens of each sample")
     return torch.full((sequence.shape[0],), sequence.shape[1])
 
 

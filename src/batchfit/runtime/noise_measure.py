@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.planning.noise import NoiseScale
 from batchfit.planning.noise import NoiseScaleEstimator
 from batchfit.search import distributed
@@ -35,7 +37,7 @@ def _batches(loader: Iterable[Any]) -> Iterator[Any]:
             empty = False
             yield batch
         if empty:
-            raise ValueError("the loader gave no batch: pass an iterable of batches, e.g. a DataLoader")
+            raise InputError("the loader gave no batch: pass an iterable of batches, e.g. a DataLoader")
 
 
 class _Step:
@@ -134,22 +136,22 @@ def _backward(
 
 def _check(steps: int, micro_batch_size: int | None, reduction: str, optimizer: Any, params: list) -> None:
     if not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"steps must be an integer of at least 2, got {steps!r}")
+        raise InputError(f"steps must be an integer of at least 2, got {steps!r}")
     if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
-        raise ValueError(f"micro_batch_size must be a positive integer or None, got {micro_batch_size!r}")
+        raise InputError(f"micro_batch_size must be a positive integer or None, got {micro_batch_size!r}")
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum' (how the loss reduces over the batch), got {reduction!r}")
+        raise InputError(f"reduction must be 'mean' or 'sum' (how the loss reduces over the batch), got {reduction!r}")
     if not params:
-        raise ValueError("the model has no parameters that require grad: there is no gradient to measure")
+        raise InputError("the model has no parameters that require grad: there is no gradient to measure")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        raise InputTypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
 
 
 def _pieces(batch: Any, micro_batch_size: int | None) -> list[Any]:
     length = batch_length(batch)
     size = micro_batch_size or (length if distributed.active() else max(1, length // 2))
     if size >= length and not distributed.active():
-        raise ValueError(
+        raise InputError(
             f"a batch of {length} rows does not split into micro-batches of {size}: the noise scale needs at least two "
             "small batches per step (use a smaller micro_batch_size or larger batches)"
         )

@@ -22,6 +22,7 @@ from typing import runtime_checkable
 from batchfit.devices.base import Device
 from batchfit.devices.resolve import resolve_device
 from batchfit.devices.trace import TraceDevice
+from batchfit.errors import InputTypeError
 from batchfit.search.prober import Prober
 from batchfit.search.strategies import Strategy
 from batchfit.search.trial import Trial
@@ -118,7 +119,7 @@ def backend_for(workload: Any) -> SearchBackend:
         return TORCH
     if isinstance(workload, DeclaresBackend):
         return workload.backend()
-    raise TypeError(
+    raise InputTypeError(
         f"cannot search a {type(workload).__name__}: give a batchfit.Workload, an MLX workload "
         "(batchfit.integrations.mlx.MlxWorkload), or an object with a backend() method"
     )

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchfit.errors import InputError
+
 logger = logging.getLogger("batchfit")
 
 SCHEMA_VERSION = 2  # 2: rows carry a checksum (version 1's rows are kept, and miss)
@@ -115,7 +117,7 @@ class ResultCache:
         self.path = self.directory / FILE_NAME
         self.disabled_reason: str | None = None
         if self.directory.exists() and not self.directory.is_dir():
-            raise ValueError(
+            raise InputError(
                 f"cache dir {self.directory} is a file: give a folder with --cache-dir or BATCHFIT_CACHE_DIR"
             )
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.devices.base import Device
+from batchfit.errors import InputTypeError
 from batchfit.search.cache import CacheEntry
 from batchfit.search.cache import ResultCache
 from batchfit.search.fingerprint import NotFingerprintable
@@ -41,7 +42,7 @@ def open_cache(cache: CacheSpec) -> ResultCache | None:
 def check_cache(cache: Any) -> None:
     """A ``TypeError`` unless ``cache`` is ``True``, ``False``, ``None``, a folder or a ``ResultCache``."""
     if cache is not None and not isinstance(cache, (bool, str, Path, ResultCache)):
-        raise TypeError(f"cache must be True, False, a folder or a ResultCache, got {type(cache).__name__}")
+        raise InputTypeError(f"cache must be True, False, a folder or a ResultCache, got {type(cache).__name__}")
 
 
 @dataclass

@@ -28,6 +28,8 @@ from batchfit.devices.trace import as_trace_device
 from batchfit.devices.trace import tracing
 from batchfit.devices.trace import undercount_message
 from batchfit.devices.units import format_bytes
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.search.prober import Prober
 from batchfit.step.batching import resize_batch
 from batchfit.step.batching import tensor_leaves
@@ -181,7 +183,7 @@ def _target_device(device: EstimateDevice, capacity: int | str | None, caller: s
     """The device ``device=`` (or the deprecated ``capacity=``) names, as a TraceDevice."""
     if capacity is not None:
         if device is not None:
-            raise TypeError(f"{caller} takes device= or the deprecated capacity=, not both: pass device= alone")
+            raise InputTypeError(f"{caller} takes device= or the deprecated capacity=, not both: pass device= alone")
         warnings.warn(
             f"{caller}(capacity=...) is deprecated: pass device=... (a capacity, a GPU preset or a TraceDevice)",
             DeprecationWarning,
@@ -203,7 +205,7 @@ def estimate_workload(
     """``estimate_memory`` for a ``Workload``; ``capacity=`` is deprecated (pass ``device=``)."""
     target = _target_device(device, capacity, "estimate_workload")
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
+        raise InputError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
     tracer = target.unlimited() if target is not None else TraceDevice(UNLIMITED_BYTES)
     with tracing():
         fake = tracer.prepare(workload)

@@ -6,6 +6,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from batchfit.errors import InputError
+
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` so readers see the old file or the whole new one, never half.
@@ -35,9 +37,9 @@ def check_writable(path: str | Path) -> Path:
     else a ``ValueError`` naming the fix: check before the work, not after it."""
     target = Path(path)
     if target.is_dir():
-        raise ValueError(f"cannot write {target}: it is a folder; give a file path such as {target / 'result.json'}")
+        raise InputError(f"cannot write {target}: it is a folder; give a file path such as {target / 'result.json'}")
     if not target.parent.is_dir():
-        raise ValueError(f"cannot write {target}: folder {target.parent} does not exist (create it first)")
+        raise InputError(f"cannot write {target}: folder {target.parent} does not exist (create it first)")
     return target
 
 

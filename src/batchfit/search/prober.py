@@ -16,6 +16,7 @@ from batchfit.devices.oom import is_oom
 from batchfit.devices.oom import summarize_oom
 from batchfit.devices.resolve import model_device
 from batchfit.devices.units import format_bytes
+from batchfit.errors import InputError
 from batchfit.errors import ModelDoesNotFitError
 from batchfit.search.trial import Trial
 from batchfit.step.batching import move_batch
@@ -215,7 +216,7 @@ class Prober:
 def check_steps(steps: Any) -> None:
     """``steps`` must be a positive integer (a trial's full training steps)."""
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be at least 1 (2 or more to include optimizer state), got {steps!r}")
+        raise InputError(f"steps must be at least 1 (2 or more to include optimizer state), got {steps!r}")
 
 
 def check_room(device: Any, limit_bytes: int | None, baseline_bytes: int, holder: str, held: str) -> None:

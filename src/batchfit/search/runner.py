@@ -20,6 +20,7 @@ from batchfit.devices.trace import TraceDevice
 from batchfit.devices.trace import is_users_error
 from batchfit.devices.trace import undercount_message
 from batchfit.devices.units import format_bytes
+from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
 from batchfit.errors import TraceError
 from batchfit.search import distributed
@@ -56,7 +57,7 @@ def usable_bytes(device: Device, margin: int | float | str) -> tuple[int | None,
         return None, None
     kept = margin_bytes(margin, capacity)
     if kept >= capacity:
-        raise ValueError(
+        raise InputError(
             f"margin {format_bytes(kept)} leaves nothing of the capacity {format_bytes(capacity)}: "
             "give a smaller margin (bytes, '512MiB', or a fraction such as 0.05)"
         )
@@ -326,7 +327,7 @@ def _place_in_cache(plan: _Plan, workload: Any) -> CachedSearch | None:
     if opened is None:
         return None
     if not isinstance(workload, Workload):
-        raise ValueError("the result cache fingerprints torch workloads only: search this workload without cache")
+        raise InputError("the result cache fingerprints torch workloads only: search this workload without cache")
     return CachedSearch.make(opened, workload, plan.device, plan.cache_fields())
 
 
@@ -454,7 +455,7 @@ def probe_workload(
     ``batch_size`` and return it; state is restored afterwards. Of the settings (``settings``
     and/or ``options``), ``margin`` and ``steps`` apply."""
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
+        raise InputError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
     s = SearchSettings.of(settings, **options)
     backend = backend_for(workload)
     dev = backend.resolve_device(workload, device)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfit.devices.units import parse_bytes
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.search.cached import CacheSpec
 from batchfit.search.cached import check_cache
 from batchfit.search.prober import check_steps
@@ -26,22 +28,22 @@ def _is_count(value: Any) -> bool:
 def check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: int | None) -> None:
     """A ``ValueError`` naming the bad bound: sizes are integers ``1 <= min <= max``, ``max_trials >= 1``."""
     if not _is_count(min_batch_size) or min_batch_size < 1:
-        raise ValueError(f"min_batch_size must be an integer of at least 1, got {min_batch_size!r}")
+        raise InputError(f"min_batch_size must be an integer of at least 1, got {min_batch_size!r}")
     if max_batch_size is not None and (not _is_count(max_batch_size) or max_batch_size < min_batch_size):
-        raise ValueError(
+        raise InputError(
             f"max_batch_size must be an integer >= min_batch_size ({min_batch_size}), got {max_batch_size!r}"
         )
     if max_trials is not None and (not _is_count(max_trials) or max_trials < 1):
-        raise ValueError(f"max_trials must be an integer of at least 1, or None, got {max_trials!r}")
+        raise InputError(f"max_trials must be an integer of at least 1, or None, got {max_trials!r}")
 
 
 def margin_bytes(margin: int | float | str, capacity_bytes: int | None) -> int:
     """Headroom in bytes: an int or a size string, or a fraction of the capacity in ``[0, 1)``."""
     if isinstance(margin, bool):
-        raise TypeError(f"margin must be bytes, a size string or a fraction, got {margin!r}")
+        raise InputTypeError(f"margin must be bytes, a size string or a fraction, got {margin!r}")
     if isinstance(margin, float):
         if not 0 <= margin < 1:
-            raise ValueError(f"a fractional margin must be in [0, 1), got {margin=}")
+            raise InputError(f"a fractional margin must be in [0, 1), got {margin=}")
         return int(margin * capacity_bytes) if capacity_bytes else 0
     if margin == 0:
         return 0
@@ -57,7 +59,7 @@ class SearchSettings:
     >>> SearchSettings(min_batch_size=0)
     Traceback (most recent call last):
     ...
-    ValueError: min_batch_size must be an integer of at least 1, got 0
+    batchfit.errors.InputError: min_batch_size must be an integer of at least 1, got 0
     """
 
     min_batch_size: int = 1
@@ -84,11 +86,11 @@ class SearchSettings:
         check_steps(self.steps)
         make_strategy(self.strategy)  # an unknown name fails here, naming the strategies
         if not isinstance(self.trace, bool):
-            raise TypeError(f"trace must be True or False, got {self.trace!r}")
+            raise InputTypeError(f"trace must be True or False, got {self.trace!r}")
         margin_bytes(self.margin, None)  # its form: bytes, a size string, or a fraction in [0, 1)
         check_cache(self.cache)
         if self.agree not in (None, True, False):
-            raise TypeError(
+            raise InputTypeError(
                 f"agree must be True, False or None (when a process group is initialised), got {self.agree!r}"
             )
 
@@ -101,5 +103,5 @@ class SearchSettings:
         """``settings`` (default: the defaults) with ``changes``: how entry points take both forms."""
         base = settings if settings is not None else cls()
         if not isinstance(base, cls):
-            raise TypeError(f"settings must be a batchfit SearchSettings, got {type(base).__name__}")
+            raise InputTypeError(f"settings must be a batchfit SearchSettings, got {type(base).__name__}")
         return base.replace(**changes) if changes else base

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.search.memory_model import MemoryModel
 from batchfit.search.trial import Trial
 
@@ -82,7 +84,7 @@ class Grow:
 
     def __init__(self, start: int | None = None, factor: float = 1.5):
         if factor <= 1:
-            raise ValueError(f"grow factor must be above 1, got {factor=}")
+            raise InputError(f"grow factor must be above 1, got {factor=}")
         self.start = start
         self.factor = factor
 
@@ -192,8 +194,8 @@ def make_strategy(strategy: str | Strategy, **options: object) -> Strategy:
     """A strategy from its name (``auto``, ``binary``, ``power``, ``grow``, ``halving``) or as given."""
     if not isinstance(strategy, str):
         if not callable(getattr(strategy, "next", None)):
-            raise TypeError(f"strategy must be a name or an object with .next(trials, space), got {strategy!r}")
+            raise InputTypeError(f"strategy must be a name or an object with .next(trials, space), got {strategy!r}")
         return strategy
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        raise InputError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     return STRATEGIES[strategy](**options)

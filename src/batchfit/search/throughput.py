@@ -26,6 +26,7 @@ import torch
 
 from batchfit.devices.resolve import resolve_device
 from batchfit.devices.units import format_bytes
+from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
 from batchfit.search.cached import CacheSpec
 from batchfit.search.prober import Prober
@@ -284,7 +285,7 @@ def check_maximum(max_batch_size: Any) -> None:
     if max_batch_size is not None and (
         not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1
     ):
-        raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+        raise InputError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
 
 
 def _check(
@@ -296,15 +297,15 @@ def _check(
     time_budget_seconds: float | None,
 ) -> None:
     if not 0 <= tolerance < 1:
-        raise ValueError(f"tolerance must be in [0, 1), got {tolerance=}")
+        raise InputError(f"tolerance must be in [0, 1), got {tolerance=}")
     if safety_fraction is not None and not 0 < safety_fraction <= 1:
-        raise ValueError(f"safety_fraction must be in (0, 1], got {safety_fraction=}")
+        raise InputError(f"safety_fraction must be in (0, 1], got {safety_fraction=}")
     if timing_warmup_steps < 0 or timed_steps < 1:
-        raise ValueError(
+        raise InputError(
             f"need timing_warmup_steps >= 0 and timed_steps >= 1, got {timing_warmup_steps=}, {timed_steps=}"
         )
     if time_budget_seconds is not None and dataset_size is None:
-        raise ValueError("a time budget needs dataset_size (samples per epoch) to project epoch times")
+        raise InputError("a time budget needs dataset_size (samples per epoch) to project epoch times")
 
 
 @contextmanager

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from batchfit.errors import InputError
+
 
 def _is_unregistered_container(obj: Any) -> bool:
     if type(obj) in pytree.SUPPORTED_NODES:
@@ -76,18 +78,18 @@ def common_length(lengths: set[int], kind: str) -> int:
     """The one batch length of a sample's ``kind`` leaves (``"tensor"``, ``"MLX array"``), or a
     ``ValueError`` naming the fix when there is none, several, or it is 0."""
     if not lengths:
-        raise ValueError(
+        raise InputError(
             f"the sample batch holds no {kind} with a batch dimension: pass one real batch from "
             "your data loader, e.g. next(iter(loader))"
         )
     if len(lengths) > 1:
-        raise ValueError(
+        raise InputError(
             f"the sample batch's {kind}s have different batch lengths {sorted(lengths)}: every {kind} "
             "needs the same leading dimension (pass a step_fn to handle other layouts)"
         )
     length = lengths.pop()
     if length == 0:
-        raise ValueError("the sample batch is empty (batch length 0): pass at least one sample")
+        raise InputError("the sample batch is empty (batch length 0): pass at least one sample")
     return length
 
 
@@ -158,7 +160,7 @@ def pad_sequences(batch: Any, length: int, *, value: int | float = 0) -> Any:
     10.0
     """
     if not isinstance(length, int) or length < 1:
-        raise ValueError(f"the longest sequence length must be a positive integer, got {length!r}")
+        raise InputError(f"the longest sequence length must be a positive integer, got {length!r}")
 
     def pad(tensor: torch.Tensor, fill: int | float) -> torch.Tensor:
         if tensor.dim() < 2 or tensor.shape[1] >= length:

@@ -6,6 +6,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from batchfit.errors import InputError
+
 
 def check_options(name: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
     """A ``ValueError`` naming the options ``factory`` (a workload factory called as ``name``) does not take."""
@@ -15,7 +17,7 @@ def check_options(name: str, factory: Callable[..., Any], options: dict[str, Any
     if unknown:
         flags = ", ".join("--" + key.replace("_", "-") for key in unknown)
         accepted = ", ".join("--" + key.replace("_", "-") for key in parameters) or "no options"
-        raise ValueError(f"workload {name} does not take {flags} (it takes {accepted})")
+        raise InputError(f"workload {name} does not take {flags} (it takes {accepted})")
 
 
 def accepted_options(factory: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:

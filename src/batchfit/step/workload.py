@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.step.batching import batch_length
 from batchfit.step.batching import compact_batch
 from batchfit.step.batching import tensor_bytes
@@ -39,14 +41,14 @@ def amp_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
         return value
     if isinstance(value, str) and value.lower() in AMP_DTYPES:
         return AMP_DTYPES[value.lower()]
-    raise ValueError(f"amp_dtype must be torch.float16, torch.bfloat16, 'fp16', 'bf16' or None, got {value!r}")
+    raise InputError(f"amp_dtype must be torch.float16, torch.bfloat16, 'fp16', 'bf16' or None, got {value!r}")
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
     own = {id(p) for p in model.parameters()}
     foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
     if foreign:
-        raise ValueError(
+        raise InputError(
             f"the optimizer holds {len(foreign)} parameter(s) that are not the model's: build it "
             "from model.parameters() of the model you pass"
         )
@@ -61,10 +63,10 @@ def _built_optimizer(
         return None
     if not isinstance(optimizer, torch.optim.Optimizer):
         if not callable(optimizer):
-            raise TypeError("optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer")
+            raise InputTypeError("optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer")
         made = optimizer(model.parameters())
         if not isinstance(made, torch.optim.Optimizer):
-            raise TypeError(
+            raise InputTypeError(
                 f"the optimizer factory returned {type(made).__name__}, not a torch.optim.Optimizer: "
                 "return one, e.g. lambda params: torch.optim.AdamW(params)"
             )
@@ -147,22 +149,22 @@ class Workload:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
+            raise InputTypeError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+            raise InputError(f"mode must be one of {MODES}, got {self.mode!r}")
         self.amp_dtype = amp_dtype_of(self.amp_dtype)
         batch_length(self.sample_batch)  # a sample without one batch length fails here, naming the fix
         self.sample_batch = compact_batch(self.sample_batch)  # a view of a larger tensor keeps only its rows
         if self.mode == "generate":
             _check_generation(self)
         if self.mode == "train" and not any(p.requires_grad for p in self.model.parameters()):
-            raise ValueError("the model has no parameters that require grad, so it cannot train: use mode='eval'")
+            raise InputError("the model has no parameters that require grad, so it cannot train: use mode='eval'")
         for name in ("accumulating", "keep_output"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise InputTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("loss_fn", "step_fn"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
-                raise TypeError(f"{name} must be a function, got {getattr(self, name)!r}: {_CALL_HELP[name]}")
+                raise InputTypeError(f"{name} must be a function, got {getattr(self, name)!r}: {_CALL_HELP[name]}")
         self.optimizer = _built_optimizer(self.optimizer, self.model)
         self.name = self.name or type(self.model).__name__
 
@@ -310,12 +312,12 @@ def hold_gradients(model: torch.nn.Module) -> None:
 
 def _check_generation(workload: Workload) -> None:
     if workload.step_fn is None and not callable(getattr(workload.model, "generate", None)):
-        raise ValueError(
+        raise InputError(
             f"mode='generate' needs a model with .generate() or step_fn(model, batch) that generates; "
             f"{type(workload.model).__name__} has no .generate"
         )
     if not isinstance(workload.max_new_tokens, int) or workload.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {workload.max_new_tokens!r}")
+        raise InputError(f"max_new_tokens must be a positive integer, got {workload.max_new_tokens!r}")
 
 
 def compute_loss(
@@ -348,7 +350,7 @@ def loss_of(output: Any, targets: Any, batch: Any, *, loss_fn: LossFn | None = N
         return loss_fn(output, targets)
     if isinstance(batch, Mapping):
         return _loss_attribute(output)
-    raise ValueError("this batch needs a loss: pass loss_fn(output, targets) or step_fn(model, batch)")
+    raise InputError("this batch needs a loss: pass loss_fn(output, targets) or step_fn(model, batch)")
 
 
 def call_by_convention(model: Any, batch: Any) -> tuple[Any, Any]:
@@ -370,7 +372,7 @@ def autocast(device_type: str, dtype: torch.dtype | None):
 def _loss_attribute(output: Any) -> Any:
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if loss is None:
-        raise ValueError(
+        raise InputError(
             "the model's output has no .loss: pass loss_fn(output, batch), or labels in the batch "
             "(Hugging Face models compute the loss when given labels)"
         )
@@ -379,8 +381,10 @@ def _loss_attribute(output: Any) -> Any:
 
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"the loss must be a tensor, got {type(loss).__name__}: return a scalar tensor from loss_fn")
+        raise InputTypeError(
+            f"the loss must be a tensor, got {type(loss).__name__}: return a scalar tensor from loss_fn"
+        )
     if loss.numel() != 1:
-        raise ValueError(
+        raise InputError(
             f"the loss must be a scalar, got shape {tuple(loss.shape)}: reduce it in loss_fn (e.g. .mean())"
         )

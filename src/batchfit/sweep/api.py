@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from batchfit.errors import InputError
 from batchfit.search.cached import CacheSpec
 from batchfit.search.runner import DeviceSpec
 from batchfit.search.settings import SearchSettings
@@ -39,11 +40,11 @@ def grid_configs(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     [{'seq_len': 128, 'top_k': 1}, {'seq_len': 128, 'top_k': 2}, {'seq_len': 256, 'top_k': 1}]
     """
     if not isinstance(grid, Mapping) or not grid:
-        raise ValueError("the grid must map each knob to its values, e.g. {'seq_len': [128, 256]}")
+        raise InputError("the grid must map each knob to its values, e.g. {'seq_len': [128, 256]}")
     values = []
     for name, options in grid.items():
         if isinstance(options, (str, bytes)) or not isinstance(options, Sequence) or not options:
-            raise ValueError(f"grid knob {name!r} needs a non-empty list of values, got {options!r}")
+            raise InputError(f"grid knob {name!r} needs a non-empty list of values, got {options!r}")
         values.append(list(dict.fromkeys(options)))  # a repeated value is one configuration
     return [dict(zip(grid, combination, strict=True)) for combination in itertools.product(*values)]
 
@@ -91,9 +92,9 @@ def sweep_grid(
     configs = grid_configs(grid)
     unknown = [source for source in estimate if source not in ESTIMATE_SOURCES]
     if unknown:
-        raise ValueError(f"unknown estimate source(s) {unknown}: choose from {', '.join(ESTIMATE_SOURCES)}")
+        raise InputError(f"unknown estimate source(s) {unknown}: choose from {', '.join(ESTIMATE_SOURCES)}")
     if not auto_adjust and max_batch_size is None:
-        raise ValueError("auto_adjust=False uses one fixed size: give it as max_batch_size (--batch-size)")
+        raise InputError("auto_adjust=False uses one fixed size: give it as max_batch_size (--batch-size)")
     search = SearchSettings(
         min_batch_size=min_batch_size,
         max_batch_size=max_batch_size,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from batchfit._version import versions
+from batchfit.errors import InputError
 from batchfit.search.files import atomic_write_text
 
 MOVE_IT = "move it away or choose another results path"
@@ -42,15 +43,15 @@ class SweepFile:
     def _resume(self) -> None:
         assert self.path is not None
         if self.path.is_dir():
-            raise ValueError(f"results path {self.path} is a folder: give a file name such as sweep.json")
+            raise InputError(f"results path {self.path} is a folder: give a file name such as sweep.json")
         try:
             document = json.loads(self.path.read_text())
             records = document["summary"]
         except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"{self.path} is not a batchfit sweep results file ({error}): {MOVE_IT}") from None
+            raise InputError(f"{self.path} is not a batchfit sweep results file ({error}): {MOVE_IT}") from None
         for field in ("knobs", "device", "settings"):
             if self.primary and document.get(field) != self.header.get(field):
-                raise ValueError(
+                raise InputError(
                     f"{self.path} was written with another {field} ({document.get(field)!r}, now "
                     f"{self.header.get(field)!r}): {MOVE_IT}, or run with the same {field}"
                 )

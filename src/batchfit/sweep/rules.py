@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchfit.errors import InputError
+
 FIX = "see the rules format in `batchfit sweep --help`"
 
 
@@ -40,10 +42,10 @@ class ScaleRules:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ScaleRules:
         if not isinstance(data, Mapping) or not isinstance(data.get("knobs"), Mapping):
-            raise ValueError(f"scale rules need a 'knobs' table: {FIX}")
+            raise InputError(f"scale rules need a 'knobs' table: {FIX}")
         base = data.get("base_batch_size")
         if base is not None and (not isinstance(base, int) or base < 1):
-            raise ValueError(f"base_batch_size must be a positive integer, got {base!r}")
+            raise InputError(f"base_batch_size must be a positive integer, got {base!r}")
         for name, rule in data["knobs"].items():
             _check_rule(name, rule)
         return cls(dict(data["knobs"]), base)
@@ -53,12 +55,12 @@ class ScaleRules:
         """Read a ``.json`` or ``.toml`` rules file."""
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"rules file {path} does not exist: give a .json or .toml file ({FIX})")
+            raise InputError(f"rules file {path} does not exist: give a .json or .toml file ({FIX})")
         text = path.read_text()
         try:
             return cls.from_dict(_parse(path, text))
         except (json.JSONDecodeError, _toml_error()) as error:
-            raise ValueError(f"rules file {path} is not valid {path.suffix[1:].upper()}: {error}") from None
+            raise InputError(f"rules file {path} is not valid {path.suffix[1:].upper()}: {error}") from None
 
     def scale(self, knobs: Mapping[str, Any]) -> float:
         """The product of the scale of every knob that has a rule."""
@@ -79,7 +81,7 @@ class ScaleRules:
 def _parse(path: Path, text: str) -> Any:
     if path.suffix == ".toml":
         if sys.version_info < (3, 11):
-            raise ValueError("TOML rules need Python 3.11 or later: write the rules as JSON")
+            raise InputError("TOML rules need Python 3.11 or later: write the rules as JSON")
         import tomllib
 
         return tomllib.loads(text)
@@ -98,14 +100,14 @@ def _check_rule(name: str, rule: Any) -> None:
     if isinstance(rule, Mapping):
         total = rule.get("ratio_of")
         if not isinstance(total, (int, float)) or total <= 0:
-            raise ValueError(f"rule for {name} must give a positive ratio_of (e.g. {{'ratio_of': 24}}), got {rule!r}")
+            raise InputError(f"rule for {name} must give a positive ratio_of (e.g. {{'ratio_of': 24}}), got {rule!r}")
         return
     if not isinstance(rule, list) or not rule:
-        raise ValueError(f"rule for {name} must be a list of steps or a ratio_of table, got {rule!r} ({FIX})")
+        raise InputError(f"rule for {name} must be a list of steps or a ratio_of table, got {rule!r} ({FIX})")
     for step in rule:
         scale = step.get("scale") if isinstance(step, Mapping) else None
         if not isinstance(scale, (int, float)) or not 0 < scale <= 1 or not math.isfinite(scale):
-            raise ValueError(f"each step for {name} needs a scale in (0, 1], got {step!r}")
+            raise InputError(f"each step for {name} needs a scale in (0, 1], got {step!r}")
 
 
 def _scale(name: str, rule: Any, value: Any) -> float:
@@ -114,4 +116,4 @@ def _scale(name: str, rule: Any, value: Any) -> float:
     for step in rule:
         if "upto" not in step or value <= step["upto"]:
             return float(step["scale"])
-    raise ValueError(f"{name}={value} is above every step of its rule: end the rule with a step without 'upto'")
+    raise InputError(f"{name}={value} is above every step of its rule: end the rule with a step without 'upto'")

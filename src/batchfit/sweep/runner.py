@@ -15,6 +15,8 @@ from typing import Any
 
 from batchfit.devices.resolve import resolve_device
 from batchfit.devices.units import format_bytes
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.errors import NoBatchFitsError
 from batchfit.search import distributed
 from batchfit.search.backend import TORCH
@@ -125,7 +127,7 @@ class SweepRunner:
     def _build(self, knobs: dict[str, Any]) -> Workload:
         workload = self.factory(**knobs)
         if not isinstance(workload, Workload):
-            raise TypeError(
+            raise InputTypeError(
                 f"the sweep's factory returned {type(workload).__name__} for {describe(knobs)}, not a Workload"
             )
         return workload
@@ -306,5 +308,5 @@ def _merge(record: dict[str, Any], measured: Any) -> None:
         return
     clash = [key for key in measured if key in record]
     if clash:
-        raise ValueError(f"measure returned {clash}, which the record already has: rename them")
+        raise InputError(f"measure returned {clash}, which the record already has: rename them")
     record.update(measured)

@@ -21,6 +21,8 @@ import mlx.core as mx
 from batchfit.devices.cpu import available_host_bytes
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 
 DEVICE_HELP = (
     "for MLX use 'auto', 'mlx' (Apple silicon: its recommended working set) or 'mlx:CAPACITY' (e.g. 'mlx:8GiB')"
@@ -71,7 +73,7 @@ class MlxDevice:
 
     def __init__(self, capacity: int | str | None = None, *, device: str | None = None) -> None:
         if device not in (None, "cpu", "gpu"):
-            raise ValueError(f"device must be 'cpu', 'gpu' or None (MLX's default), got {device!r}")
+            raise InputError(f"device must be 'cpu', 'gpu' or None (MLX's default), got {device!r}")
         self.mlx_device = mx.default_device() if device is None else mx.Device(getattr(mx, device))
         on_gpu = self.mlx_device.type == mx.gpu
         if capacity is None:
@@ -123,7 +125,7 @@ class MlxDevice:
 
     def prepare(self, workload: Any) -> Any:
         if getattr(workload, "framework", None) != "mlx":
-            raise TypeError(
+            raise InputTypeError(
                 f"{self.name} runs MLX workloads (batchfit.integrations.mlx.MlxWorkload), got {type(workload).__name__}"
             )
         return workload
@@ -142,7 +144,7 @@ class MlxDevice:
 def _own_capacity() -> int:
     size = recommended_working_set_bytes()
     if size is None:
-        raise ValueError(
+        raise InputError(
             "MLX reports no recommended working set here (no Metal GPU): give a capacity, "
             "e.g. MlxDevice('8GiB') or --device mlx:8GiB"
         )
@@ -153,7 +155,7 @@ def _given_capacity(capacity: int | str, on_gpu: bool) -> int:
     size = parse_bytes(capacity)
     host = None if on_gpu else available_host_bytes()
     if host is not None and size > host:
-        raise ValueError(
+        raise InputError(
             f"capacity {format_bytes(size)} is more than this machine has free ({format_bytes(host)}): "
             "MLX on the CPU does not raise past it, the process dies; give a smaller capacity"
         )
@@ -172,7 +174,7 @@ def resolve_mlx_device(spec: Any) -> MlxDevice:
     if spec is None or (isinstance(spec, str) and spec.strip().lower() == "auto"):
         return MlxDevice() if recommended_working_set_bytes() is not None else MlxDevice(DEFAULT_CAPACITY)
     if not isinstance(spec, str):
-        raise TypeError(
+        raise InputTypeError(
             f"device must be a string or an MlxDevice for an MLX workload, got {type(spec).__name__}: {DEVICE_HELP}"
         )
     text = spec.strip().lower()
@@ -181,4 +183,4 @@ def resolve_mlx_device(spec: Any) -> MlxDevice:
     for prefix in ("mlx:", "sim:"):
         if text.startswith(prefix):
             return MlxDevice(spec.strip()[len(prefix) :])
-    raise ValueError(f"unknown device {spec!r} for an MLX workload: {DEVICE_HELP}")
+    raise InputError(f"unknown device {spec!r} for an MLX workload: {DEVICE_HELP}")

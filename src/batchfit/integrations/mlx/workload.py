@@ -14,6 +14,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.integrations.mlx.batch import as_mlx
 from batchfit.integrations.mlx.batch import batch_length
 from batchfit.integrations.mlx.batch import bytes_per_sample
@@ -55,13 +57,13 @@ class MlxWorkload:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
-            raise TypeError(f"model must be an mlx.nn.Module, got {type(self.model).__name__}")
+            raise InputTypeError(f"model must be an mlx.nn.Module, got {type(self.model).__name__}")
         if self.optimizer is not None and not isinstance(self.optimizer, optim.Optimizer):
-            raise TypeError(
+            raise InputTypeError(
                 f"optimizer must be an mlx.optimizers.Optimizer or None, got {type(self.optimizer).__name__}"
             )
         if not tree_flatten(self.model.trainable_parameters()):
-            raise ValueError("the model has no trainable parameters, so it cannot train: unfreeze some")
+            raise InputError("the model has no trainable parameters, so it cannot train: unfreeze some")
         self.sample_batch = as_mlx(self.sample_batch)
         self.sample_length = batch_length(self.sample_batch)
         self.name = self.name or type(self.model).__name__
@@ -88,7 +90,7 @@ class MlxWorkload:
             return _checked(self.loss_fn(output, targets))
         if isinstance(batch, Mapping):
             return _checked(_loss_entry(output))
-        raise ValueError("this batch needs a loss: pass loss_fn(output, targets) or step_fn(model, batch)")
+        raise InputError("this batch needs a loss: pass loss_fn(output, targets) or step_fn(model, batch)")
 
     def train_step(self, batch: Any, mark: Callable[[str], None] = lambda phase: None) -> None:
         """One full step. MLX is lazy: building the graph is the ``forward`` phase (``mark("forward")``
@@ -108,15 +110,15 @@ class MlxWorkload:
 def _loss_entry(output: Any) -> Any:
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if loss is None:
-        raise ValueError("the model's output has no 'loss': pass loss_fn(output, batch) or step_fn(model, batch)")
+        raise InputError("the model's output has no 'loss': pass loss_fn(output, batch) or step_fn(model, batch)")
     return loss
 
 
 def _checked(loss: Any) -> mx.array:
     if not isinstance(loss, mx.array):
-        raise TypeError(f"the loss must be an mx.array, got {type(loss).__name__}: return a scalar from loss_fn")
+        raise InputTypeError(f"the loss must be an mx.array, got {type(loss).__name__}: return a scalar from loss_fn")
     if loss.size != 1:
-        raise ValueError(
+        raise InputError(
             f"the loss must be a scalar, got shape {tuple(loss.shape)}: reduce it in loss_fn (e.g. .mean())"
         )
     return loss.reshape(())
