@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+import batchfit as bf
 from batchfit.runtime.microbatch import Microbatcher
 from batchfit.search import distributed
 from batchfit.search.trial import Trial
@@ -31,6 +32,26 @@ def _outcome(raisers: set[int], rank: int) -> str:
     except (ValueError, RuntimeError) as error:
         return f"{type(error).__name__}: {error}"
     return f"fits, peak {trial.peak_bytes}"
+
+
+def _search_outcome(raiser: int, rank: int) -> str:
+    """How a real ``find_max_batch_size`` ended on this rank when the loss raises on ``raiser`` from
+    batch size 8 on (the raising rank catches its error and carries on, as a script might)."""
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if rank == raiser and output.shape[0] >= 8:
+            raise ValueError(f"a bad batch of {output.shape[0]} on rank {rank}")
+        return F.cross_entropy(output, target)
+
+    torch.manual_seed(0)
+    sample = (torch.randn(4, 8), torch.randint(0, 2, (4,)))
+    try:
+        found = bf.find_max_batch_size(
+            torch.nn.Linear(8, 2), sample, loss_fn=loss_fn, device=bf.SimulatedDevice("1MiB"), max_batch_size=64
+        )
+    except (ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return f"found {found.batch_size}"
 
 
 def _step_outcome(raisers: set[int], rank: int) -> str:
@@ -60,6 +81,8 @@ def main() -> None:
     rank = dist.get_rank()
     result = {name: _outcome(raisers, rank) for name, raisers in (("zero", {0}), ("one", {1}), ("both", {0, 1}))}
     result["none"] = _outcome(set(), rank)  # the group is still in step after the failed trials
+    result["find_zero"] = _search_outcome(0, rank)
+    result["find_one"] = _search_outcome(1, rank)
     result["step_zero"] = _step_outcome({0}, rank)
     result["step_none"] = _step_outcome(set(), rank)  # still in step after the failed training step
     results = [None, None]

@@ -335,7 +335,7 @@ class Microbatcher:
         """Whether any rank ran out of memory in this step; a ``RuntimeError`` when one raised."""
         worst = distributed.worst_step_outcome(distributed.STEP_OOM if failed else distributed.STEP_FITS)
         if worst == distributed.STEP_RAISED:
-            raise RuntimeError(
+            raise distributed.RankStoppedError(
                 "batchfit: another rank's training step raised (its own error says what), so this rank stops "
                 "too: the ranks cannot stay in step"
             )

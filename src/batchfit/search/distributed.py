@@ -58,6 +58,11 @@ def _others() -> str:
     return f"rank {others[0]}" if len(others) == 1 else "one of ranks " + ", ".join(map(str, others))
 
 
+class RankStoppedError(RuntimeError):
+    """Another rank stopped agreeing: its trial or step raised, or it hangs or left. Never a
+    reason to fall back (to real probes after a trace, say): every rank must stop."""
+
+
 def _wait(work: Any) -> None:
     """Wait for the collective ``work`` at most ``agreement_timeout()``; then a ``RuntimeError``
     naming the ranks that did not join it (the process group is unusable after that)."""
@@ -67,7 +72,7 @@ def _wait(work: Any) -> None:
     try:
         work.wait(timeout)
     except RuntimeError as error:
-        raise RuntimeError(
+        raise RankStoppedError(
             f"batchfit: a rank did not reach the batch-size agreement within {timeout.total_seconds():g} s "
             f"({TIMEOUT_VARIABLE}): {_others()} stopped agreeing (it raised, hangs or left: its own log "
             f"says which), so rank {dist.get_rank()} stops too; this process group cannot be used any more "
@@ -178,7 +183,7 @@ def _merge(trials: list[Trial]) -> Trial:
 
 def _raise_for(raised: list[_Raised]) -> None:
     first = raised[0]
-    raise RuntimeError(
+    raise RankStoppedError(
         f"batchfit: rank {first.rank}'s trial of batch size {first.batch_size} raised {first.error}, "
         f"so rank {rank()} stops the batch-size search too"
     )

@@ -112,8 +112,8 @@ def trace_estimate(
     except NoBatchFitsError:
         return {"batch_size": None, "trials": None, "seconds": time.perf_counter() - start}
     except Exception as error:  # a fallback: what stops the trace but not the real device
-        if is_users_error(error):
-            raise
+        if is_users_error(error) or isinstance(error, distributed.RankStoppedError):
+            raise  # the user's own error, or another rank's: every rank stops
         _warn_untraceable(error)
         return None
     if tracer.undercounted_ops:
