@@ -24,7 +24,7 @@ def test_parse_grid_reads_numbers_bools_and_words():
     assert grid == {"seq_len": [128, 256], "dropout": [0.1], "flash": [True, False], "kind": ["moe"], "top_k": [1]}
 
 
-def test_sweep_prints_seed_002_lines_a_table_and_writes_the_results_file(tmp_path):
+def test_sweep_prints_a_line_per_trial_a_table_and_writes_the_results_file(tmp_path):
     out = tmp_path / "sweep.json"
     result = invoke(*SWEEP, "--grid", "layers=1,2", "--json", str(out))
     assert result.exit_code == 0, result.output
