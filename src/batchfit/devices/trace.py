@@ -6,8 +6,10 @@ at batch 1 costs. The meta device is not used: it decomposes scaled-dot-product 
 over-counts transformers. The user's model and optimizer are never touched.
 
 Two guards keep the trace honest. An op whose fake kernel makes less than the real one (the CPU
-LSTM's workspace, see ``UNDERCOUNTING_OPS``) is recorded in ``TraceDevice.undercounted_ops``, so
-an estimate can say it is a lower bound. And an error on fake tensors is sorted by
+LSTM's workspace, see ``UNDERCOUNTING_OPS``) gets what it lacks where its size is known (the
+LSTM's, from ``lstm_workspace_bytes``), counted like any output; where it is not (an unmeasured
+dtype, a torch build whose kernel disagrees), the op is recorded in
+``TraceDevice.undercounted_ops``, so an estimate can say it is a lower bound. And an error on fake tensors is sorted by
 ``is_users_error``: the user's own ``ValueError``/``TypeError`` (it would raise on the real
 device too) against what fake tensors cannot do (a ``TraceError``: fall back to real probing).
 """
@@ -17,16 +19,19 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Iterator
 from typing import Any
+from typing import NamedTuple
 
 import torch
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.base import CountingDevice
@@ -141,8 +146,134 @@ def tracing() -> Iterator[None]:
 
 def _rnn_workspace_missing(out: Any) -> bool:
     # The CPU kernel returns (output, hy, cy, workspace) and keeps the workspace for backward
-    # whenever grad mode is on (none under no_grad); the fake kernel's workspace is always empty.
+    # whenever grad mode is on (none under no_grad, whatever its `train` flag says); the fake
+    # kernel's workspace is always empty.
     return torch.is_grad_enabled() and out[3] is not None and out[3].numel() == 0
+
+
+# -- the CPU LSTM's workspace ---------------------------------------------------------------------
+#
+# One aten.mkldnn_rnn_layer call runs one layer in one direction (nn.LSTM calls it once per layer
+# and direction, with the sequence first). Its workspace is oneDNN's training workspace: seven
+# buffers, each starting on a 4 KiB page, the whole rounded up to a page. With T steps, B batch
+# rows, input size I, hidden size H, S the bytes of an input element (the states and gates share
+# the input's dtype), C those of the cell state and rows padded by ``_leading_dim``:
+#   gates              T*B * ld(4H, S) * S
+#   hidden outputs     T*B * ld(H, S) * S
+#   hidden states      2*(T+1)*B * ld(max(I, H), S) * S
+#   cell states        2*(T+1)*B * H * C
+#   their gradients    2 * [2*(T+1)*B * ld(max(I, H), 4) * 4] + 2*(T+1)*B * H * 4   (fp32)
+# Measured on torch 2.13.0+cpu (oneDNN 3.12) by calling the real op and reading its 4th output:
+# exact on all 1080 shapes of T in {1,2,3,5,16,33}, B in {1,2,3,4,7,16}, I in {1,3,8,32,100,128},
+# H in {1,3,8,64,100} for fp32 and for bf16 (then S = C = 2), and on every call (1152) of nn.LSTM
+# forward and backward over B in {1,5}, T in {3,17}, I in {7,64}, H in {5,96}, 1-2 layers, one or
+# two directions, batch_first or not, fp32, bf16 parameters, bf16 autocast and eval() with grad.
+# The workspace exists iff grad mode is on, whatever requires grad. fp16 and fp64 do not run on
+# this kernel here and stay under-counted; an LSTM with proj_size or a packed sequence runs
+# without it (nothing to add), and a call with batch_sizes would stay under-counted too. Another
+# torch build may lay its workspace out otherwise, so the formula is first checked against the
+# real kernel at two small shapes (``_formula_holds``); where it disagrees, the guard stays.
+PAGE_BYTES = 4096
+LSTM_MODE = 2  # the `mode` argument of aten.mkldnn_rnn_layer for an LSTM
+LSTM_WORKSPACE_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes the formula was measured on
+_CHECK_SHAPES = ((3, 2, 5, 7), (2, 3, 300, 64))  # (T, B, I, H): small, and padded past a 256 multiple
+
+
+def _leading_dim(dim: int, itemsize: int) -> int:
+    """oneDNN's padded row length: a multiple of 64 bytes, one more 64 bytes when a multiple of 256."""
+    step = 64 // itemsize
+    padded = -(-dim // step) * step
+    return padded + step if padded % 256 == 0 else padded
+
+
+def lstm_workspace_bytes(
+    steps: int, batch: int, input_size: int, hidden_size: int, itemsize: int = 4, cell_itemsize: int | None = None
+) -> int:
+    """Bytes of the workspace one CPU ``aten.mkldnn_rnn_layer`` call (one LSTM layer, one
+    direction) keeps for backward under grad mode, for elements of ``itemsize`` bytes (4 for fp32,
+    2 for bf16) and a cell state of ``cell_itemsize`` (the same by default). The formula and the
+    measurements behind it are in the comment above.
+
+    >>> lstm_workspace_bytes(16, 4, 32, 64), lstm_workspace_bytes(16, 4, 32, 64, itemsize=2)
+    (270336, 196608)
+    """
+    cell_itemsize = itemsize if cell_itemsize is None else cell_itemsize
+    rows, states, width = steps * batch, 2 * (steps + 1) * batch, max(input_size, hidden_size)
+    parts = (
+        rows * _leading_dim(4 * hidden_size, itemsize) * itemsize,  # the four gates
+        rows * _leading_dim(hidden_size, itemsize) * itemsize,  # hidden outputs
+        states * _leading_dim(width, itemsize) * itemsize,  # hidden states
+        states * hidden_size * cell_itemsize,  # cell states
+        states * _leading_dim(width, 4) * 4,  # gradients of the hidden states, by layer
+        states * _leading_dim(width, 4) * 4,  # and by step
+        states * hidden_size * 4,  # gradients of the cell states
+    )
+    offset = 0
+    for nbytes in parts:
+        offset = -(-offset // PAGE_BYTES) * PAGE_BYTES + nbytes
+    return -(-offset // PAGE_BYTES) * PAGE_BYTES
+
+
+def _real_workspace_bytes(steps: int, batch: int, input_size: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """The workspace the real kernel returns at this shape (real tensors, grad mode on)."""
+    gates = 4 * hidden_size
+    x, h = torch.zeros(steps, batch, input_size, dtype=dtype), torch.zeros(batch, hidden_size, dtype=dtype)
+    weights = (torch.zeros(gates, input_size, dtype=dtype), torch.zeros(gates, hidden_size, dtype=dtype))
+    biases = (torch.zeros(gates, dtype=dtype), torch.zeros(gates, dtype=dtype))
+    out = torch.ops.aten.mkldnn_rnn_layer(
+        x, *weights, *biases, h, h, False, [], LSTM_MODE, hidden_size, 1, True, False, False, True
+    )
+    return out[3].untyped_storage().nbytes()
+
+
+@functools.cache
+def _formula_holds(dtype: torch.dtype) -> bool:
+    """Whether this torch build's real kernel keeps what ``lstm_workspace_bytes`` says, at
+    ``_CHECK_SHAPES`` (run once per dtype, on real tensors, outside the trace's modes)."""
+    try:  # with the trace's modes off: nothing here is counted or faked
+        with _disable_current_modes(), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+            return all(
+                _real_workspace_bytes(*shape, dtype) == lstm_workspace_bytes(*shape, dtype.itemsize)
+                for shape in _CHECK_SHAPES
+            )
+    except (RuntimeError, TypeError, AttributeError):  # no oneDNN LSTM for this dtype on this CPU or build
+        return False
+
+
+def _lstm_workspace_of(arguments: dict[str, Any]) -> int | None:
+    """The bytes the real kernel's workspace has for this call, or ``None`` outside what was verified."""
+    x, cx = arguments["input"], arguments["cx_"]
+    verified = (
+        arguments["mode"] == LSTM_MODE
+        and not arguments["batch_sizes"]
+        and x.dim() == 3
+        and x.dtype == cx.dtype
+        and x.dtype in LSTM_WORKSPACE_DTYPES
+    )
+    if not verified or not _formula_holds(x.dtype):
+        return None
+    steps, batch, input_size = x.shape
+    return lstm_workspace_bytes(steps, batch, input_size, arguments["hidden_size"], x.element_size())
+
+
+def _rnn_with_workspace(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """``out`` with the empty fake workspace replaced by a fake one of the real size (made under the
+    fake mode, so the counter counts it like any output), or ``None`` when the size is unknown."""
+    names = [argument.name for argument in func._schema.arguments]
+    nbytes = _lstm_workspace_of({**dict(zip(names, args, strict=False)), **kwargs})
+    if nbytes is None:
+        return None
+    return (*out[:3], torch.empty(nbytes, dtype=torch.uint8, device=out[3].device))
+
+
+class Undercount(NamedTuple):
+    """An op whose fake kernel makes less than the real one: ``missing(out)`` says whether this
+    output is short, ``what`` names what is missing, ``complete(func, args, kwargs, out)`` returns
+    the output made whole (counted like any other) or ``None`` when the missing size is unknown."""
+
+    missing: Callable[[Any], bool]
+    what: str
+    complete: Callable[[Any, tuple, dict, Any], Any]
 
 
 # Ops whose fake kernel makes less memory than the real one, measured by comparing the storage
@@ -150,25 +281,35 @@ def _rnn_workspace_missing(out: Any) -> bool:
 # layers, bidirectional, under bf16 autocast), nn.GRU, nn.RNN, nn.LSTMCell, nn.MultiheadAttention,
 # scaled_dot_product_attention (with dropout), nn.TransformerEncoderLayer, convolutions, batch,
 # layer and group norm, pooling, upsampling, dropout and embeddings on CPU: only this op differs
-# (an LSTM with proj_size runs without it). Name -> (is the output under-counted?, what is missing).
-UNDERCOUNTING_OPS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "aten::mkldnn_rnn_layer": (_rnn_workspace_missing, "the LSTM workspace kept for backward"),
+# (an LSTM with proj_size runs without it). The trace completes it where its size is known.
+UNDERCOUNTING_OPS: dict[str, Undercount] = {
+    "aten::mkldnn_rnn_layer": Undercount(
+        _rnn_workspace_missing, "the LSTM workspace kept for backward", _rnn_with_workspace
+    ),
 }
 
 
 class _UndercountWatch(TorchDispatchMode):
-    """Records the ops of ``UNDERCOUNTING_OPS`` whose fake output is smaller than the real one."""
+    """Completes the outputs of ``UNDERCOUNTING_OPS`` whose missing bytes it knows, and records the
+    ops whose fake output stays smaller than the real one. Entered above the counting mode, so
+    what it makes is counted. ``complete=False`` (a trace for another device than the CPU, whose
+    kernels keep other workspaces) only records."""
 
-    def __init__(self, seen: dict[str, None]):
+    def __init__(self, seen: dict[str, None], complete: bool = True):
         super().__init__()
-        self.seen = seen
+        self.seen, self.complete = seen, complete
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        guard = UNDERCOUNTING_OPS.get(func.name())
-        if guard is not None and guard[0](out):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        entry = UNDERCOUNTING_OPS.get(func.name())
+        if entry is None or not entry.missing(out):
+            return out
+        completed = entry.complete(func, args, kwargs, out) if self.complete else None
+        if completed is None:
             self.seen[func.name()] = None
-        return out
+            return out
+        return completed
 
 
 def undercount_message(ops: tuple[str, ...] | list[str]) -> str:
@@ -177,7 +318,7 @@ def undercount_message(ops: tuple[str, ...] | list[str]) -> str:
     >>> undercount_message(["aten::mkldnn_rnn_layer"])
     'the trace under-counts aten::mkldnn_rnn_layer (the LSTM workspace kept for backward), so the real peak is higher'
     """
-    parts = ", ".join(f"{op} ({UNDERCOUNTING_OPS[op][1] if op in UNDERCOUNTING_OPS else 'its output'})" for op in ops)
+    parts = ", ".join(f"{op} ({UNDERCOUNTING_OPS[op].what if op in UNDERCOUNTING_OPS else 'its output'})" for op in ops)
     return f"the trace under-counts {parts}, so the real peak is higher"
 
 
@@ -271,8 +412,8 @@ class TraceDevice(CountingDevice):
 
     @property
     def undercounted_ops(self) -> tuple[str, ...]:
-        """The ops this device has run whose fake output is smaller than the real one (see
-        ``UNDERCOUNTING_OPS``): while any is listed, its peaks are lower bounds.
+        """The ops this device has run whose fake output is smaller than the real one and could not
+        be completed (see ``UNDERCOUNTING_OPS``): while any is listed, its peaks are lower bounds.
 
         >>> TraceDevice("1GiB").undercounted_ops
         ()
@@ -307,7 +448,9 @@ class TraceDevice(CountingDevice):
 
     @contextlib.contextmanager
     def measuring(self, uncounted: Iterable[torch.Tensor] = ()) -> Iterator[None]:
-        with self.fake_mode, self.counter.mode(uncounted), _UndercountWatch(self._undercounted):
+        # The workspaces computed for the fake (CPU) kernels are the CPU's: a trace for a GPU only records.
+        watch = _UndercountWatch(self._undercounted, complete=self.torch_device.type == "cpu")
+        with self.fake_mode, self.counter.mode(uncounted), watch:
             yield
 
 

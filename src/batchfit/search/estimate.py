@@ -81,8 +81,9 @@ class MemoryEstimate:
 
     ``breakdown`` has the keys parameters, gradients, optimizer_state, activations, batch and
     temporaries, and sums to ``peak_bytes``; ``peak_phase`` is where the peak happens.
-    ``undercounted_ops`` names the ops whose fake kernels make less memory than the real ones
-    (the CPU LSTM's workspace): while it is not empty the peak is a lower bound.
+    ``undercounted_ops`` names the ops whose fake kernels make less memory than the real ones by
+    an amount the trace cannot compute (the CPU LSTM's workspace is computed for fp32 and bf16,
+    not for other dtypes): while it is not empty the peak is a lower bound.
     """
 
     batch_size: int
@@ -250,8 +251,10 @@ def estimate_memory(
     a ``TraceDevice``, a GPU preset such as ``"a100-40gb"``, a capacity (bytes or ``"40GiB"``),
     ``"trace:CAPACITY"``, or a ``SimulatedDevice``/``"sim:CAPACITY"`` meaning a device of that
     capacity; ``None`` leaves ``.fits`` unknown. ``capacity=`` is the deprecated spelling of a
-    capacity or preset ``device=``. The model and optimizer are not touched. When the step runs an
-    op whose fake kernel makes less memory than the real one (the CPU ``nn.LSTM``'s workspace),
+    capacity or preset ``device=``. The model and optimizer are not touched. The workspace a CPU
+    ``nn.LSTM`` keeps for backward, which its fake kernel leaves out, is computed from the op's
+    shapes and counted; when the step runs an op whose fake kernel makes less memory than the real
+    one by an amount the trace cannot compute (such an LSTM in a dtype other than fp32 or bf16),
     it warns, names the op in ``.undercounted_ops``, and ``.fits`` is no "fits" verdict.
     ``keep_output`` chooses the loop, as in ``find_max_batch_size``: by default the model's output
     lives until after backward, as in a hand-written loop.
