@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/microbatch_overhead.py
 	$(BIN)/python benchmarks/sweep_trials.py
 	$(BIN)/python benchmarks/peers.py
+	$(BIN)/python benchmarks/regimes.py
 
 # Fault injection, bad inputs and endurance (a reduced form runs in `make test`): benchmarks/RELIABILITY.md.
 reliability: $(STAMP)

@@ -10,6 +10,8 @@ from batchfit.devices.accounting import PEER_OOM_WORDING
 from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.cuda import CudaDevice
 from batchfit.devices.mps import MpsDevice
+from batchfit.search.prober import Prober
+from models import mlp_tuple
 
 
 def test_capacity_accepts_ints_and_size_strings():
@@ -172,3 +174,32 @@ def test_preparing_a_compiled_workload_leaves_the_cuda_device_as_it_was(monkeypa
     with device.measuring():
         torch.ones(3) + 1
     assert device.timeline() == [1010, 1020]  # the next search still records every op
+
+
+def test_step_seconds_makes_each_step_cost_that_long_and_changes_no_answer():
+    step_seconds = 0.05
+    with Prober(mlp_tuple(), bf.SimulatedDevice("160KiB", step_seconds=step_seconds), steps=2) as prober:
+        trial = prober.probe(4)
+    assert trial.fits and trial.steps == 2
+    assert trial.seconds >= 2 * step_seconds
+    assert all(seconds >= step_seconds for seconds in trial.step_seconds)
+    plain = bf.search_workload(mlp_tuple(), device=bf.SimulatedDevice("160KiB"), trace=False)
+    slow = bf.search_workload(mlp_tuple(), device=bf.SimulatedDevice("160KiB", step_seconds=step_seconds), trace=False)
+    assert [(t.batch_size, t.fits, t.peak_bytes) for t in slow.trials] == [
+        (t.batch_size, t.fits, t.peak_bytes) for t in plain.trials
+    ]
+    assert slow.batch_size == plain.batch_size
+    assert slow.seconds >= step_seconds * sum(t.steps for t in slow.trials if not t.oom)
+    assert bf.SimulatedDevice("160KiB").step_seconds == 0.0
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_bad_step_seconds_name_the_fix(bad):
+    with pytest.raises(ValueError, match="step_seconds must be a finite number of seconds, 0 or more"):
+        bf.SimulatedDevice("1MiB", step_seconds=bad)
+
+
+@pytest.mark.parametrize("bad", ["1s", True, None])
+def test_step_seconds_of_the_wrong_type_are_type_errors(bad):
+    with pytest.raises(TypeError, match="step_seconds must be a number of seconds"):
+        bf.SimulatedDevice("1MiB", step_seconds=bad)

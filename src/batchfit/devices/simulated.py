@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import time
+
 import torch
 
 from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.base import CountingDevice
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to 512 bytes
 
@@ -19,14 +24,22 @@ class SimulatedDevice(CountingDevice):
     count against ``capacity`` (an int in bytes, or a string such as ``"512MiB"``); an allocation
     past it raises ``torch.OutOfMemoryError``. Deterministic, so it is the test bed for everything.
 
+    ``step_seconds`` makes every training step that completes cost that many more seconds of
+    wall time (a sleep in ``synchronize()``, which a trial calls once after each step), the same
+    at every batch size: the regime of a large model on a GPU, where a real trial costs seconds.
+    A step that ends in an out-of-memory error costs nothing extra.
+
     >>> device = SimulatedDevice("64MiB")
     >>> device.capacity_bytes()
     67108864
+    >>> SimulatedDevice("64MiB", step_seconds=0.5).step_seconds
+    0.5
     """
 
     simulated = True
 
-    def __init__(self, capacity: int | str, *, rounding_bytes: int = CUDA_BLOCK_BYTES):
+    def __init__(self, capacity: int | str, *, rounding_bytes: int = CUDA_BLOCK_BYTES, step_seconds: float = 0.0):
+        self.step_seconds = check_step_seconds(step_seconds)
         self._capacity_bytes = parse_bytes(capacity)
         name = f"sim:{format_bytes(self._capacity_bytes).replace(' ', '')}"
         counter = LiveBytes(limit_bytes=self._capacity_bytes, rounding_bytes=rounding_bytes, name=name)
@@ -34,3 +47,21 @@ class SimulatedDevice(CountingDevice):
 
     def capacity_bytes(self) -> int:
         return self._capacity_bytes
+
+    def synchronize(self) -> None:
+        """Wait for the step to finish: ``step_seconds`` of simulated compute (none by default)."""
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
+
+
+def check_step_seconds(step_seconds: object) -> float:
+    """``step_seconds`` as a float: a finite number of seconds, zero or more.
+
+    >>> check_step_seconds(1)
+    1.0
+    """
+    if isinstance(step_seconds, bool) or not isinstance(step_seconds, (int, float)):
+        raise InputTypeError(f"step_seconds must be a number of seconds such as 0.5, got {type(step_seconds).__name__}")
+    if not math.isfinite(step_seconds) or step_seconds < 0:
+        raise InputError(f"step_seconds must be a finite number of seconds, 0 or more, got {step_seconds!r}")
+    return float(step_seconds)
