@@ -78,7 +78,8 @@ def test_list_workloads_names_the_built_ins():
 
 def test_find_on_a_user_file_prints_live_lines_a_table_and_the_answer(tiny, tmp_path):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    result = invoke("find", tiny, "--device", "sim:300KiB", "--json", str(out_json), "--plot", str(out_png))
+    args = ("--device", "sim:300KiB", "--trace", "--json", str(out_json), "--plot", str(out_png))
+    result = invoke("find", tiny, *args)
     assert result.exit_code == 0, result.output
     document = json.loads(out_json.read_text())
     jsonschema.validate(document, schema())
@@ -87,6 +88,7 @@ def test_find_on_a_user_file_prints_live_lines_a_table_and_the_answer(tiny, tmp_
     assert f"✓ Batch size {size} fits — peak " in result.output and " of 300.0 KiB (" in result.output
     assert f"✗ Batch size {size + 1}: out of memory in " in result.output
     assert f"found by 'auto' in 2 trials after a trace estimate of {size}" in result.output
+    assert "; traced: trace=True" in result.output  # why auto traced first (the line may wrap after it)
     assert "Trials" in result.output
     assert f"Largest batch size that fits on sim:300.0KiB: {size} " in result.output
     assert document["device"] == {"name": "sim:300.0KiB", "simulated": True, "capacity_bytes": 300 * 1024}

@@ -14,7 +14,7 @@ from models import decoder
 DEVICE = "sim:1MiB"
 
 
-def edge(workload: Workload, trace: bool = False) -> bf.SearchResult:
+def edge(workload: Workload, trace: bool | str = False) -> bf.SearchResult:
     result = bf.search_workload(workload, device=DEVICE, trace=trace)
     assert result.exact
     sizes = {t.batch_size: t.fits for t in result.trials}

@@ -24,7 +24,7 @@ def test_each_strategy_finds_the_linear_scan_edge_with_the_expected_sequence(cas
     truth = linear_scan_edge(case)
     work = case.build()
     result = bf.search_workload(
-        work, device=bf.SimulatedDevice(case.capacity), strategy=strategy, max_batch_size=MAX_BATCH_SIZE
+        work, device=bf.SimulatedDevice(case.capacity), strategy=strategy, max_batch_size=MAX_BATCH_SIZE, trace=True
     )
     tried = [t.batch_size for t in result.trials]
     assert result.batch_size == truth
@@ -145,7 +145,7 @@ def test_eval_mode_fits_more_than_training():
 def test_log_lines_follow_seed_002(caplog):
     case = CASES[1]
     with caplog.at_level("INFO", logger="batchfit"):
-        result = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity))
+        result = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity), trace=True)
     lines = [r.getMessage() for r in caplog.records]  # the trace's trials are DEBUG: only an estimate
     assert len(lines) == len(result.trials)
     assert lines[0].startswith(f"✓ Batch size {result.batch_size} fits — peak ") and " of 400.0 KiB (" in lines[0]

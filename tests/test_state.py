@@ -150,7 +150,7 @@ def test_an_error_in_every_step_propagates_past_the_trace(caplog):
 
     work.loss_fn = broken_loss
     with caplog.at_level("WARNING", logger="batchfit"), pytest.raises(Boom, match="the user's bug"):
-        bf.search_workload(work, device=bf.SimulatedDevice("1MiB"))
+        bf.search_workload(work, device=bf.SimulatedDevice("1MiB"), trace=True)
     assert "could not trace the workload (Boom: the user's bug); probing without an estimate" in caplog.text
     _assert_same(before, _fingerprint(work))
 

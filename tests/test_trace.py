@@ -9,6 +9,7 @@ import json
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -29,7 +30,11 @@ from batchfit.errors import TraceError
 from batchfit.search.estimate import analytic_estimate
 from batchfit.search.estimate import estimate_memory
 from batchfit.search.estimate import estimate_workload
+from batchfit.search.memory_model import StorageLines
+from batchfit.search.memory_model import StorageRecord
+from batchfit.search.runner import trace_estimate
 from models import CASES
+from models import Case
 from models import cnn_bn
 from models import mlp_tuple
 from test_state import _assert_same
@@ -172,6 +177,64 @@ def test_searching_on_the_trace_finds_the_simulated_edge():
         assert traced.batch_size == simulated.batch_size
 
 
+def _traced(build, capacity, space=(1, None)) -> dict:
+    device = bf.SimulatedDevice(capacity)
+    return trace_estimate(build(), device, device.capacity_bytes(), space, 2)
+
+
+def _fake_search(build, capacity, space=(1, None)) -> bf.SearchResult:
+    return bf.search_workload(
+        build(), device=TraceDevice(capacity), trace=False, min_batch_size=space[0], max_batch_size=space[1]
+    )
+
+
+@pytest.mark.parametrize("case", [*CASES, Case(gpt_tiny, "40MiB")], ids=lambda case: case.name)
+def test_the_trace_finds_the_fake_searchs_edge_from_the_lines_of_two_fake_trials(case):
+    full = _fake_search(case.build, case.capacity)
+    traced = _traced(case.build, case.capacity)
+    assert traced["batch_size"] == full.batch_size and traced["method"] == "lines"
+    assert traced["trials"] == 2 < len(full.trials)
+
+
+def test_the_traces_lines_keep_to_the_sizes_allowed_and_say_when_nothing_fits():
+    case = CASES[0]
+    for space in [(3, None), (1, 20), (40, 60)]:
+        traced = _traced(case.build, case.capacity, space)
+        assert traced["batch_size"] == _fake_search(case.build, case.capacity, space).batch_size
+        assert traced["trials"] <= 2
+    assert _traced(case.build, "40KiB")["batch_size"] is None
+
+
+def contrastive_loss(out: torch.Tensor, batch) -> torch.Tensor:
+    features = F.normalize(out, dim=1)
+    logits = features @ features.T  # B x B: quadratic in the batch size, not a line
+    return F.cross_entropy(logits, torch.arange(len(logits)))
+
+
+def contrastive() -> bf.Workload:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    return bf.Workload(model, torch.randn(4, 16), contrastive_loss, torch.optim.Adam(model.parameters()))
+
+
+def test_sizes_that_are_not_lines_in_the_batch_size_hand_the_trace_to_the_search():
+    traced = _traced(contrastive, "256KiB")
+    assert traced["method"] == "search"
+    assert traced["batch_size"] == _fake_search(contrastive, "256KiB").batch_size > 3
+
+
+def test_storage_lines_need_the_same_ops_and_reproduce_both_trials():
+    def record(batch_size, born, nbytes, timeline):
+        freed = np.full(2, len(timeline))  # both outlive the trial
+        return StorageRecord(batch_size, np.array(born), freed, np.array(nbytes), np.array(timeline), max(timeline))
+
+    rounded = lambda sizes: -(-sizes // 512) * 512  # noqa: E731
+    low = record(2, [0, 1], [100, 8], [512, 1024])
+    assert StorageLines.fit(low, record(3, [0, 2], [150, 8], [512, 512, 1024]), rounded) is None  # other ops
+    assert StorageLines.fit(low, record(3, [0, 1], [150, 8], [512, 1536]), rounded) is None  # misses its timeline
+    assert StorageLines.fit(low, record(3, [0, 1], [150, 8], [512, 1024]), rounded).proportional
+
+
 class DataDependent(nn.Module):
     def __init__(self):
         super().__init__()
@@ -186,7 +249,7 @@ def test_data_dependent_shapes_fall_back_to_probing_with_one_warning(caplog):
     model = DataDependent()
     batch = torch.randn(4, 8)
     with caplog.at_level("WARNING", logger="batchfit"):
-        result = bf.find_max_batch_size(model, batch, loss_fn=lambda out, batch: out, device="sim:64KiB")
+        result = bf.find_max_batch_size(model, batch, loss_fn=lambda out, batch: out, device="sim:64KiB", trace=True)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert (
         len(warnings) == 1
@@ -211,7 +274,7 @@ def test_an_op_without_a_fake_kernel_falls_back_too(caplog):
     batch = torch.randn(4, 8)
     loss = lambda out, batch: opaque(out).sum()  # noqa: E731
     with caplog.at_level("WARNING", logger="batchfit"):
-        result = bf.find_max_batch_size(model, batch, loss_fn=loss, device="sim:64KiB")
+        result = bf.find_max_batch_size(model, batch, loss_fn=loss, device="sim:64KiB", trace=True)
     assert "could not trace the workload" in caplog.text and result.exact
     with pytest.raises(TraceError, match="cannot trace"):
         bf.estimate_memory(model, batch, 8, loss_fn=loss)

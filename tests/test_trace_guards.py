@@ -179,7 +179,7 @@ def test_auto_finds_the_lstm_edge_exactly_in_at_most_three_trials(caplog):
     model, batch, optimizer = _lstm()
     kwargs = {"loss_fn": _loss, "optimizer": optimizer}
     with caplog.at_level("WARNING", logger="batchfit"):
-        result = bf.find_max_batch_size(model, batch, device=bf.SimulatedDevice("12MiB"), **kwargs)
+        result = bf.find_max_batch_size(model, batch, device=bf.SimulatedDevice("12MiB"), trace=True, **kwargs)
     assert "under-counts" not in caplog.text and len(result.trials) <= 3
     edge = result.batch_size
     assert bf.probe_batch_size(model, batch, edge, device=bf.SimulatedDevice("12MiB"), **kwargs).fits
@@ -226,7 +226,7 @@ def test_a_traced_first_guess_that_undercounts_is_logged_and_the_real_probes_dec
     model, batch, optimizer = _lstm()
     kwargs = {"loss_fn": _loss, "optimizer": optimizer, "max_batch_size": 256}
     with caplog.at_level("WARNING", logger="batchfit"):
-        guessed = bf.find_max_batch_size(model, batch, device=bf.SimulatedDevice("12MiB"), **kwargs)
+        guessed = bf.find_max_batch_size(model, batch, device=bf.SimulatedDevice("12MiB"), trace=True, **kwargs)
     assert "under-counts aten::mkldnn_rnn_layer" in caplog.text and "only a first guess" in caplog.text
     probed = bf.find_max_batch_size(model, batch, device=bf.SimulatedDevice("12MiB"), trace=False, **kwargs)
     assert guessed.batch_size == probed.batch_size and guessed.extra["trace"]["batch_size"] > guessed.batch_size
@@ -245,7 +245,7 @@ def test_the_users_own_value_error_on_fake_tensors_is_raised_unchanged(caplog):
         raise raised
 
     with caplog.at_level("WARNING", logger="batchfit"), pytest.raises(ValueError) as error:
-        bf.find_max_batch_size(model, batch, loss_fn=loss_fn, optimizer=optimizer, device="sim:64KiB")
+        bf.find_max_batch_size(model, batch, loss_fn=loss_fn, optimizer=optimizer, device="sim:64KiB", trace=True)
     assert error.value is raised and calls == ["FakeTensor"]  # raised by the trace, no real probe
     assert "could not trace" not in caplog.text
     _assert_same(before, _fingerprint(bf.Workload(model, batch, optimizer=optimizer)))
@@ -282,7 +282,7 @@ class NeedsData(nn.Module):
 def test_what_fake_tensors_cannot_do_falls_back_to_real_probing(read, caplog):
     batch = torch.randn(4, 8)
     with caplog.at_level("WARNING", logger="batchfit"):
-        result = bf.find_max_batch_size(NeedsData(read), batch, loss_fn=_loss, device="sim:64KiB")
+        result = bf.find_max_batch_size(NeedsData(read), batch, loss_fn=_loss, device="sim:64KiB", trace=True)
     assert "could not trace the workload" in caplog.text and "probing without an estimate" in caplog.text
     probed = bf.find_max_batch_size(NeedsData(read), batch, loss_fn=_loss, device="sim:64KiB", trace=False)
     assert result.batch_size == probed.batch_size > 1 and "trace" not in result.extra
@@ -303,7 +303,7 @@ def test_a_model_the_trace_cannot_copy_is_a_trace_error_not_the_users(caplog):
     with pytest.raises(TraceError, match=r"cannot trace .*TypeError: cannot pickle"):
         bf.estimate_memory(Locked(), batch, 8, loss_fn=_loss)
     with caplog.at_level("WARNING", logger="batchfit"):
-        result = bf.find_max_batch_size(Locked(), batch, loss_fn=_loss, device="sim:64KiB")
+        result = bf.find_max_batch_size(Locked(), batch, loss_fn=_loss, device="sim:64KiB", trace=True)
     assert "could not trace the workload (TypeError: cannot pickle" in caplog.text and result.batch_size > 1
 
 

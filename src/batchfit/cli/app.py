@@ -44,6 +44,7 @@ from batchfit.devices.resolve import resolve_device
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
 from batchfit.errors import InputError
+from batchfit.search.evidence import before_any_trial
 from batchfit.search.runner import device_for
 from batchfit.search.runner import search_workload
 from batchfit.search.runner import traces_first
@@ -67,7 +68,14 @@ def find(
     max_batch_size: Annotated[int | None, typer.Option(help="Largest size to consider.")] = None,
     margin: Annotated[str, typer.Option(help="Headroom: bytes, a size like 512MiB, or a fraction like 0.05.")] = "0",
     max_trials: Annotated[int | None, typer.Option(help="Stop after this many trials.")] = None,
-    trace: Annotated[bool, typer.Option(help="With --strategy auto, estimate the edge on fake tensors first.")] = True,
+    trace: Annotated[
+        bool | None,
+        typer.Option(
+            "--trace/--no-trace",
+            help="With --strategy auto: always (--trace) or never (--no-trace) estimate the edge on fake tensors "
+            "first; by default auto spends the cheaper evidence, deciding from what a trial costs.",
+        ),
+    ] = None,
     cache: Annotated[
         bool,
         typer.Option(
@@ -105,7 +113,7 @@ def find(
             max_batch_size=max_batch_size,
             margin=parse_margin(margin),
             max_trials=max_trials,
-            trace=trace,
+            trace="auto" if trace is None else trace,
             cache=(cache_dir or True) if cache or cache_dir else False,  # a folder given asks for the cache
         )
     except KeyboardInterrupt:
@@ -130,7 +138,9 @@ def find(
 
 def _search_live(work: Any, dev: Any, done: list[Trial], quiet: bool, **settings: Any) -> Any:
     capacity = dev.capacity_bytes()
-    traces = traces_first(work, SearchSettings(**settings), dev, capacity)
+    # auto traces first where the device says trials are expensive; elsewhere it decides after one trial
+    chosen = settings["trace"] is True or before_any_trial(dev) is not None
+    traces = traces_first(work, SearchSettings(**settings), dev, capacity) and chosen
     first = "Tracing the workload on fake tensors" if traces else "Starting"
     with console.status(first, spinner="dots") as status:
         if quiet:

@@ -450,8 +450,19 @@ class TraceDevice(CountingDevice):
     def measuring(self, uncounted: Iterable[torch.Tensor] = ()) -> Iterator[None]:
         # The workspaces computed for the fake (CPU) kernels are the CPU's: a trace for a GPU only records.
         watch = _UndercountWatch(self._undercounted, complete=self.torch_device.type == "cpu")
+        if not _TRACED:
+            _TRACED.append(True)  # this process has paid the fake mode's start-up (see traced_before)
         with self.fake_mode, self.counter.mode(uncounted), watch:
             yield
+
+
+_TRACED: list[bool] = []  # one entry once any trace ran in this process; read by traced_before()
+
+
+def traced_before() -> bool:
+    """Whether a trace ran in this process already: the fake mode's one-time start-up (about 0.7 s
+    on a 2-core CPU) is then paid, and a new trace costs only its ops."""
+    return bool(_TRACED)
 
 
 def as_trace_device(spec: TraceDevice | SimulatedDevice | int | str | None) -> TraceDevice | None:

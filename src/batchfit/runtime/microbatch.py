@@ -215,7 +215,7 @@ class Microbatcher:
         margin: int | float | str = 0,
         max_trials: int | None = None,
         steps: int = 2,
-        trace: bool = True,
+        trace: bool | str = "auto",
         cache: CacheSpec = False,
     ):
         search = SearchSettings(

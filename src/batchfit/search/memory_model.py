@@ -11,6 +11,7 @@ growing with the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,3 +94,114 @@ class MemoryModel:
             return None
         room = (limit_bytes - self.anchor_bytes[rising]) / self.slope_bytes[rising]
         return self.anchor_batch_size + int(np.floor(room.min()))
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """Every storage one trial made, for ``StorageLines``: the index of the first timeline entry
+    that counts it (``born``), of the first that no longer does (``freed``; the timeline's length
+    if it outlived the trial), and its bytes before rounding; with the trial's batch size, its
+    rounded ``timeline`` and its peak.
+    """
+
+    batch_size: int
+    born: np.ndarray
+    freed: np.ndarray
+    nbytes: np.ndarray
+    timeline: np.ndarray
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class StorageLines:
+    """Each storage's bytes as a line in the batch size B, from two trials whose ops match one for
+    one: the live bytes after every op at any B, each storage rounded as the allocator rounds it.
+
+    Where ``MemoryModel`` fits one line per op through rounded totals (and must verify near the
+    edge, as rounding bends them), this reproduces the rounded timeline itself: the largest B
+    whose every op stays within the limit is the edge, found without another trial.
+
+    >>> low = StorageRecord(2, np.array([0, 1]), np.array([2, 2]), np.array([100, 8]), np.array([612, 1124]), 1124)
+    >>> high = StorageRecord(3, np.array([0, 1]), np.array([2, 2]), np.array([150, 8]), np.array([612, 1124]), 1124)
+    >>> lines = StorageLines.fit(low, high, lambda n: -(-n // 512) * 512)
+    >>> lines.timeline(11).tolist(), lines.max_batch_size(1700, 3, 100), lines.proportional
+    ([1124, 1636], 20, True)
+    """
+
+    base: StorageRecord
+    slope_bytes: np.ndarray
+    rounded: Callable[[np.ndarray], np.ndarray]
+
+    @classmethod
+    def fit(
+        cls, low: StorageRecord, high: StorageRecord, rounded: Callable[[np.ndarray], np.ndarray]
+    ) -> StorageLines | None:
+        """The lines through ``low`` and ``high`` (``rounded``: the allocator's rounding of an array
+        of sizes), or ``None`` when their ops or storages differ or the lines miss either timeline."""
+        same_ops = len(low.timeline) == len(high.timeline) and len(low.born) == len(high.born)
+        if not same_ops or not (np.array_equal(low.born, high.born) and np.array_equal(low.freed, high.freed)):
+            return None
+        steps = high.batch_size - low.batch_size
+        growth = high.nbytes - low.nbytes
+        if steps <= 0 or (growth % steps).any():
+            return None
+        lines = cls(low, growth // steps, rounded)
+        return lines if lines.matches(low) and lines.matches(high) else None
+
+    @property
+    def proportional(self) -> bool:
+        """Whether every storage is a fixed size or grows in proportion to B (no line with both an
+        offset and a slope, such as a workspace rounded to pages or a B x B matrix seen at two sizes):
+        then the lines hold at every B as they hold at the two trials."""
+        offsets = self.base.nbytes - self.slope_bytes * self.base.batch_size
+        return bool(((offsets == 0) | (self.slope_bytes == 0)).all())
+
+    def bounded(self) -> StorageLines:
+        """Lines no lower than these past the base trial wherever a size grows less than in
+        proportion: each line with both an offset and a slope grows from the base trial's size as
+        if it were in proportion to B (a page-rounded workspace does at most that), others stay."""
+        base = self.base
+        offsets = base.nbytes - self.slope_bytes * base.batch_size
+        mixed = (offsets != 0) & (self.slope_bytes != 0)
+        slopes = np.where(mixed, np.maximum(self.slope_bytes, base.nbytes / base.batch_size), self.slope_bytes)
+        return StorageLines(base, slopes, self.rounded)
+
+    def at(self, batch_size: int) -> StorageLines:
+        """The same lines, based at ``batch_size``: its predicted storages and timeline."""
+        base = self.base
+        record = StorageRecord(
+            batch_size, base.born, base.freed, self._sizes(batch_size), self.timeline(batch_size), base.peak_bytes
+        )
+        return StorageLines(record, self.slope_bytes, self.rounded)
+
+    def _sizes(self, batch_size: int) -> np.ndarray:
+        grown = self.base.nbytes + np.ceil(self.slope_bytes * (batch_size - self.base.batch_size))
+        return grown.astype(np.int64)
+
+    def timeline(self, batch_size: int) -> np.ndarray:
+        """The predicted live bytes after every op at ``batch_size``, rounded like the trials'."""
+        base = self.base
+        sizes = self._sizes(batch_size)
+        change = (self.rounded(sizes) - self.rounded(base.nbytes)).astype(float)
+        length = len(base.timeline)
+        steps = np.bincount(base.born, change, length + 1) - np.bincount(base.freed, change, length + 1)
+        return base.timeline + np.cumsum(steps[:length]).astype(np.int64)
+
+    def peak_bytes(self, batch_size: int) -> int:
+        """The predicted peak at ``batch_size``: the highest live bytes after any op."""
+        return int(self.timeline(batch_size).max(initial=0))
+
+    def matches(self, record: StorageRecord) -> bool:
+        """Whether ``record`` (a trial with the same ops) is what the lines predict, op for op."""
+        if record.peak_bytes != int(record.timeline.max(initial=0)) or len(record.timeline) != len(self.base.timeline):
+            return False
+        return bool(np.array_equal(self.timeline(record.batch_size), record.timeline))
+
+    def max_batch_size(self, limit_bytes: int, fitting: int, largest: int) -> int:
+        """The largest B in ``[fitting, largest]`` whose predicted peak stays within ``limit_bytes``,
+        by bisection; ``fitting`` is a size known to fit."""
+        lo, hi = fitting, largest + 1  # lo fits; hi is past the range or over the limit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.peak_bytes(mid) <= limit_bytes else (lo, mid)
+        return lo

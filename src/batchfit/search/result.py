@@ -95,8 +95,15 @@ class SearchResult:
             f"Largest batch size that fits on {self.device}: {self.batch_size} "
             f"(peak {format_bytes(self.peak_bytes)} of {format_bytes(self.capacity_bytes)}), "
             f"found by '{self.strategy}' in {len(self.trials)} trials{after}, {self.oom_trials} out of memory, "
-            f"{self.seconds:.1f} s{exact}."
+            f"{self.seconds:.1f} s{exact}{self._evidence_clause()}."
         )
+
+    def _evidence_clause(self) -> str:
+        """Why ``auto`` traced first or not, when it chose (``extra["evidence"]``)."""
+        choice = self.extra.get("evidence")
+        if not choice:
+            return ""
+        return f"; {'traced' if choice['trace_first'] else 'no trace'}: {choice['reason']}"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the answer, the search settings and every trial; it validates

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from batchfit.devices.base import Device
-from batchfit.devices.trace import TraceDevice
 from batchfit.devices.trace import is_users_error
 from batchfit.devices.trace import undercount_message
 from batchfit.devices.units import format_bytes
@@ -30,6 +29,9 @@ from batchfit.search.backend import backend_for
 from batchfit.search.cached import CachedSearch
 from batchfit.search.cached import CacheSpec
 from batchfit.search.cached import open_cache
+from batchfit.search.evidence import EvidenceChoice
+from batchfit.search.evidence import after_first_trial
+from batchfit.search.evidence import before_any_trial
 from batchfit.search.result import SearchResult
 from batchfit.search.settings import SearchSettings
 from batchfit.search.settings import margin_bytes
@@ -38,6 +40,8 @@ from batchfit.search.strategies import Strategy
 from batchfit.search.strategies import bracket
 from batchfit.search.strategies import make_strategy
 from batchfit.search.strategies import strategy_name
+from batchfit.search.trace_first import LinesFirst
+from batchfit.search.trace_first import logging_trace_device
 from batchfit.search.trial import Trial
 from batchfit.step.batching import pad_sequences
 from batchfit.step.compiled import CompileWatch
@@ -102,15 +106,27 @@ def trace_estimate(
     """The trace's estimate of the edge under ``limit_bytes``, or ``None`` (with a warning) when
     the workload cannot be traced: an op without a fake kernel, data-dependent shapes, ...
     The user's own ``ValueError``/``TypeError`` propagates (the real device would raise it too);
-    an op the trace under-counts is a warning (the real probes decide)."""
+    an op the trace under-counts is a warning (the real probes decide).
+
+    Usually two fake trials: they draw every storage's bytes as a line in the batch size, and the
+    edge is read off the lines (see ``batchfit.search.trace_first``). The answer's keys:
+    ``batch_size``, ``trials`` (fake trials run), ``seconds`` and ``method`` (``"lines"``, or
+    ``"search"`` when the lines could not decide and a search on fake trials went on)."""
     start = time.perf_counter()
-    tracer = TraceDevice(limit_bytes, device=device.torch_device)
+    tracer, log = logging_trace_device(limit_bytes, device.torch_device)
+    strategy = LinesFirst(log)
     try:
         estimate = search_workload(
-            workload, device=tracer, min_batch_size=space[0], max_batch_size=space[1], steps=steps, trace=False
+            workload,
+            device=tracer,
+            min_batch_size=space[0],
+            max_batch_size=space[1],
+            steps=steps,
+            trace=False,
+            strategy=strategy,
         )
     except NoBatchFitsError:
-        return {"batch_size": None, "trials": None, "seconds": time.perf_counter() - start}
+        return {"batch_size": None, "trials": None, "seconds": time.perf_counter() - start, "method": strategy.method}
     except Exception as error:  # a fallback: what stops the trace but not the real device
         if is_users_error(error) or isinstance(error, distributed.RankStoppedError):
             raise  # the user's own error, or another rank's: every rank stops
@@ -118,7 +134,12 @@ def trace_estimate(
         return None
     if tracer.undercounted_ops:
         logger.warning("batchfit: %s: its edge is only a first guess", undercount_message(tracer.undercounted_ops))
-    return {"batch_size": estimate.batch_size, "trials": len(estimate.trials), "seconds": time.perf_counter() - start}
+    return {
+        "batch_size": strategy.edge if strategy.edge is not None else estimate.batch_size,
+        "trials": len(estimate.trials),
+        "seconds": time.perf_counter() - start,
+        "method": strategy.method,
+    }
 
 
 def _warn_untraceable(error: Exception) -> None:
@@ -184,8 +205,8 @@ def search_workload(
     hit = cached.lookup(start) if cached is not None else None
     if hit is not None:
         return hit
-    plan, traced = _guess_by_trace(plan, workload)
-    trials, space, reported = _run_trials(plan, workload, on_trial, on_trial_start)
+    plan, traced, deferred = _guess_by_trace(plan, workload)
+    trials, space, reported = _run_trials(plan, workload, on_trial, on_trial_start, deferred)
     result = _result(plan, workload.name, trials, space, {**traced, **reported}, start)
     if cached is not None:
         cached.store(result)
@@ -219,12 +240,28 @@ def traces_first(workload: Any, settings: SearchSettings, device: Device, limit_
     return not backend.is_trace(device) and backend.can_trace(workload)
 
 
-def _guess_by_trace(plan: _Plan, workload: Any) -> tuple[_Plan, dict[str, Any]]:
-    """With ``strategy="auto"`` and ``trace``, the plan whose first guess is the trace's estimate of
-    the edge, and ``{"trace": ...}`` for the result's ``extra``; else the plan unchanged."""
+def _guess_by_trace(plan: _Plan, workload: Any) -> tuple[_Plan, dict[str, Any], bool]:
+    """With ``strategy="auto"`` and ``trace``, the cheaper evidence first (see ``evidence``): where
+    the device alone says a real trial is expensive, the plan whose first guess is the trace's
+    estimate and ``{"trace": ..., "evidence": ...}`` for the result's ``extra``; where the first
+    real trial must be measured to decide, the plan unchanged and ``True`` (deferred)."""
+    if not traces_first(workload, plan.settings, plan.device, plan.limit_bytes):
+        return plan, {}, False
+    choice = before_any_trial(plan.device)
+    if plan.settings.trace is True:
+        choice = EvidenceChoice(True, "trace=True asks for the trace first")
+    if plan.agreeing:  # one plan for every rank: the trace first, as before any trial's time is known
+        choice = EvidenceChoice(True, "ranks agree on every trial: the trace goes first on all of them")
+    if choice is None:
+        return plan, {}, True
+    plan, traced = _traced_plan(plan, workload)
+    return plan, {**traced, "evidence": choice.to_dict()}, False
+
+
+def _traced_plan(plan: _Plan, workload: Any) -> tuple[_Plan, dict[str, Any]]:
+    """The plan whose ``auto`` strategy takes the trace's estimate as its next guess, and
+    ``{"trace": ...}`` (nothing when the workload could not be traced)."""
     s = plan.settings
-    if not traces_first(workload, s, plan.device, plan.limit_bytes):
-        return plan, {}
     traced = trace_estimate(workload, plan.device, plan.limit_bytes, (s.min_batch_size, s.max_batch_size), s.steps)
     guess = traced["batch_size"] if traced is not None else None
     if plan.agreeing:  # every rank takes part, also one whose trace failed
@@ -239,12 +276,15 @@ def _run_trials(
     workload: Any,
     on_trial: Callable[[Trial], None] | None,
     on_trial_start: Callable[[int], None] | None,
+    deferred: bool = False,
 ) -> tuple[list[Trial], SearchSpace, dict[str, Any]]:
     """Trials until the strategy is done or ``max_trials`` ran out; the space they kept to; and
-    what the prober reports (``{"compile": ...}`` for a compiled model)."""
+    what the search reports (``{"compile": ...}`` for a compiled model; with ``deferred``, the
+    choice of evidence made after the first trial, and the trace if it was chosen)."""
     s = plan.settings
     prepared = plan.device.prepare(workload)
     trials: list[Trial] = []
+    reported: dict[str, Any] = {}
     with plan.backend.prober(prepared, plan.device, steps=s.steps, limit_bytes=plan.limit_bytes) as prober:
         space = _space(plan, prepared, prober.baseline_bytes)
         while s.max_trials is None or len(trials) < s.max_trials:
@@ -253,9 +293,26 @@ def _run_trials(
                 break
             _check_proposal(batch_size, trials, space, plan.strategy)
             trials.append(_one_trial(plan, prober, batch_size, on_trial, on_trial_start))
+            if deferred and len(trials) == 1:
+                plan = _choose_after_first(plan, workload, trials[0], reported)
         watch = prober.compile_watch
-        reported = {"compile": _compile_report(watch, trials)} if watch is not None else {}
+        if watch is not None:
+            reported["compile"] = _compile_report(watch, trials)
     return trials, space, reported
+
+
+def _choose_after_first(plan: _Plan, workload: Any, first: Trial, reported: dict[str, Any]) -> _Plan:
+    """After the first real trial: trace if that is predicted to cost less than the trial did
+    (and it fitted, so there is an edge above it to estimate); the choice goes to ``reported``."""
+    choice = after_first_trial(first)
+    if choice.trace_first and not first.fits:
+        choice = dataclasses.replace(choice, trace_first=False, reason=f"{choice.reason}; but it did not fit")
+    reported["evidence"] = choice.to_dict()
+    if not choice.trace_first:
+        return plan
+    plan, traced = _traced_plan(plan, workload)
+    reported.update(traced)
+    return plan
 
 
 def _space(plan: _Plan, workload: Any, baseline_bytes: int) -> SearchSpace:
@@ -355,7 +412,7 @@ def find_max_batch_size(
     step_fn: Callable | None = None,
     keep_output: bool = True,
     on_trial: Callable[[Trial], None] | None = None,
-    trace: bool = True,
+    trace: bool | str = "auto",
     longest_seq_len: int | None = None,
     cache: CacheSpec = False,
 ) -> SearchResult:
@@ -369,8 +426,10 @@ def find_max_batch_size(
     initialised ``torch.distributed`` process group every rank runs the same trials and all ranks
     return the same size: the largest that fits on every one of them.
     ``strategy``: ``auto`` (default), ``binary``, ``power``, ``grow``, ``halving``. With
-    ``auto`` and ``trace=True``, the edge is first estimated on a ``TraceDevice`` (fake tensors,
-    nothing allocated) and real trials only verify and refine it. ``longest_seq_len`` pads every
+    ``auto``, ``trace="auto"`` (default) spends the cheaper evidence first: where a real trial is
+    expensive (a GPU, a simulated device with ``step_seconds``) the edge is first estimated on a
+    ``TraceDevice`` (fake tensors, nothing allocated) and real trials only verify it; elsewhere the
+    first real trial's time decides. ``trace=True`` always traces first, ``False`` never does. ``longest_seq_len`` pads every
     sequence of the sample to the longest length the run will see (masks fully attended), so the
     answer holds for the worst batch, not the sample's. ``keep_output=True`` (default) keeps the
     model's output alive until after backward, as ``outputs = model(x); loss = loss_fn(outputs, y);

@@ -74,8 +74,11 @@ class SearchSettings:
     """Stop after this many trials (the result is then marked not ``exact``)."""
     steps: int = 2
     """Full training steps per trial; two or more include the optimizer state of a steady step."""
-    trace: bool = True
-    """With ``auto``, estimate the edge on fake tensors first and let real trials verify it."""
+    trace: bool | str = "auto"
+    """With the ``auto`` strategy: ``"auto"`` spends the cheaper evidence first (the trace on fake
+    tensors where a real trial is expensive, else real trials, deciding after the first one; see
+    ``batchfit.search.evidence``), ``True`` always estimates the edge on the trace first, ``False``
+    never traces."""
     cache: CacheSpec = False
     """``True``, a folder or a ``ResultCache``: answer a search that ran before with zero trials."""
     agree: bool | None = None
@@ -85,8 +88,8 @@ class SearchSettings:
         check_bounds(self.min_batch_size, self.max_batch_size, self.max_trials)
         check_steps(self.steps)
         make_strategy(self.strategy)  # an unknown name fails here, naming the strategies
-        if not isinstance(self.trace, bool):
-            raise InputTypeError(f"trace must be True or False, got {self.trace!r}")
+        if self.trace not in (True, False, "auto") or not isinstance(self.trace, (bool, str)):
+            raise InputTypeError(f"trace must be 'auto', True or False, got {self.trace!r}")
         margin_bytes(self.margin, None)  # its form: bytes, a size string, or a fraction in [0, 1)
         check_cache(self.cache)
         if self.agree not in (None, True, False):

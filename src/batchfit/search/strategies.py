@@ -150,9 +150,12 @@ class Auto:
         lo, hi = bracket(trials, space)
         if hi - lo <= 1:
             return None
+        tried = {t.batch_size for t in trials}
+        if self.guess is not None and lo < self.guess < hi and self.guess not in tried:
+            return self.guess  # an estimate that came after the first trials: it goes next
         if lo < space.min_batch_size:
             return self._below_first_fit(trials, space, hi)
-        if lo == self.guess and sum(t.fits for t in trials) == 1:
+        if lo == self.guess and lo + 1 not in tried:
             return lo + 1  # the estimate fitted: confirm the edge before anything else
         model = MemoryModel.fit(trials)
         edge = None if model is None or space.limit_bytes is None else model.max_batch_size(space.limit_bytes)

@@ -217,7 +217,7 @@ def find_optimal_batch_size(
     mode: str = "train",
     step_fn: Callable | None = None,
     keep_output: bool = True,
-    trace: bool = True,
+    trace: bool | str = "auto",
     cache: CacheSpec = False,
     clock: Callable[[], float] = time.perf_counter,
     warmup_steps: int | None = None,

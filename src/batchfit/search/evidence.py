@@ -1,0 +1,106 @@
+"""Which evidence the default search spends first: real trials, or the trace on fake tensors.
+
+Both find the edge; what differs is their cost. A trace costs about the same at any batch size
+(shapes only: a few fake trials of the step's ops), and on a real GPU a trial costs seconds and
+every out-of-memory error fragments the allocator, so there the trace goes first. On a CPU or a
+simulated device a trial at the smallest size often costs less than the trace would: the search
+measures that trial first, then traces only if the trace is predicted to cost less than the trial
+just measured (it replaces at least one trial like it). The choice and its reason are kept in
+``SearchResult.extra["evidence"]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from dataclasses import dataclass
+from typing import Any
+
+from batchfit.devices.base import Device
+from batchfit.search.trial import Trial
+
+TRACE_FAKE_TRIALS = 2  # two fake trials draw every storage's line (a third only where one is not a line)
+EXPENSIVE_STEP_SECONDS = 0.05  # a device that says a step costs this much: the trace goes first
+# What fake tensors cost, measured on a 2-core CPU with torch 2.13 (benchmarks/TRACE.md): about 0.1 ms
+# per op once warm, and about 0.7 s the first time a process uses them (the fake mode's start-up).
+# Constants, not a calibration run: measuring them would cost the start-up the choice may avoid.
+FAKE_OP_SECONDS = 1e-4
+FAKE_START_SECONDS = 0.7
+# A trace predicted to cost less than this runs even when the first real trial was cheaper: it
+# bounds the real trials to about two, where real trials alone can take many more on a workload
+# whose memory lines are hard to read at small sizes (17 trials on a 100-parameter MLP, 10 of them OOM).
+CHEAP_TRACE_SECONDS = 0.25
+
+
+@dataclass(frozen=True)
+class EvidenceChoice:
+    """Whether the trace runs before (more) real trials, and why, with the figures behind it.
+
+    >>> EvidenceChoice(True, "a real accelerator").to_dict()["trace_first"]
+    True
+    """
+
+    trace_first: bool
+    reason: str
+    real_trial_seconds: float | None = None
+    predicted_trace_seconds: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def before_any_trial(device: Device) -> EvidenceChoice | None:
+    """The choice when the device alone decides it, else ``None`` (measure a real trial first).
+
+    >>> from batchfit.devices.simulated import SimulatedDevice
+    >>> before_any_trial(SimulatedDevice("1GiB")) is None
+    True
+    """
+    if not device.simulated and device.torch_device.type not in ("cpu", "meta"):
+        return EvidenceChoice(
+            True, f"{device.name} is an accelerator: a real trial costs seconds and an OOM fragments it"
+        )
+    step_seconds = float(getattr(device, "step_seconds", 0.0) or 0.0)
+    if step_seconds >= EXPENSIVE_STEP_SECONDS:
+        return EvidenceChoice(True, f"each training step on {device.name} costs {step_seconds:g} s")
+    return None
+
+
+def after_first_trial(trial: Trial) -> EvidenceChoice:
+    """The choice once the first real trial has run: trace if the trace is predicted to cost less
+    than that trial did (it replaces at least one trial like it), or less than
+    ``CHEAP_TRACE_SECONDS`` in all. The prediction: the trial's ops
+    per step (its timeline's length) for ``TRACE_FAKE_TRIALS`` fake trials of two steps, at
+    ``FAKE_OP_SECONDS`` each, plus the fake mode's start-up when this process has not paid it.
+
+    >>> after_first_trial(Trial(1, True, 1024, 5.0, steps=2, timeline=tuple(range(2000)))).trace_first
+    True
+    """
+    ops_per_step = len(trial.timeline or ()) / max(trial.steps, 1)
+    if not ops_per_step:
+        return EvidenceChoice(True, "the device records no ops, so the trace's cost cannot be predicted: trace first")
+    predicted = TRACE_FAKE_TRIALS * 2 * ops_per_step * FAKE_OP_SECONDS + (
+        0.0 if fake_mode_warm() else FAKE_START_SECONDS
+    )
+    figures = f"{predicted:.2g} s predicted against {trial.seconds:.2g} s"
+    if predicted < trial.seconds:
+        cheaper, reason = True, f"the trace would cost less than the real trial at {trial.batch_size} ({figures})"
+    elif predicted < CHEAP_TRACE_SECONDS:
+        cheaper, reason = (
+            True,
+            f"the trace is cheap ({figures}, under {CHEAP_TRACE_SECONDS:g} s) and bounds the real trials",
+        )
+    else:
+        cheaper, reason = False, f"the trace would cost more than the real trial at {trial.batch_size} ({figures})"
+    return EvidenceChoice(
+        cheaper,
+        reason,
+        real_trial_seconds=trial.seconds,
+        predicted_trace_seconds=predicted,
+    )
+
+
+def fake_mode_warm() -> bool:
+    """Whether this process has run a trace already (the fake mode's start-up is paid)."""
+    from batchfit.devices.trace import traced_before
+
+    return traced_before()
