@@ -631,8 +631,8 @@ def report(results: dict) -> str:
             "that run into many OOMs). The expensive regime runs a subset of the cases to keep the run affordable: "
             f"{'; '.join(expensive_cases)}.",
             "",
-            "Methods: `auto` with its defaults (trace on fake tensors first, then real trials; the trace's time is in "
-            "its seconds), `auto` with `trace=False`, `power`, and `binary` and `grow` as benchmarks/peers.py runs "
+            "Methods: `auto` with its defaults (`trace='auto'`: the trace on fake tensors first where a step is "
+            "expensive, else decided after the first real trial; the trace's time is in its seconds), `auto` with `trace=False`, `power`, and `binary` and `grow` as benchmarks/peers.py runs "
             f"them (`binary` capped at {BINARY_MAX}; `grow` from {GROW_START}, at most {GROW_TRIALS} trials); the "
             "peers as benchmarks/peer_methods.py runs them: Lightning's `Tuner.scale_batch_size` (`power`, "
             f"`binsearch`, 3 steps a trial) on a CPU `Trainer`, and accelerate's `find_executable_batch_size` from "
