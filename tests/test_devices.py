@@ -203,3 +203,19 @@ def test_bad_step_seconds_name_the_fix(bad):
 def test_step_seconds_of_the_wrong_type_are_type_errors(bad):
     with pytest.raises(TypeError, match="step_seconds must be a number of seconds"):
         bf.SimulatedDevice("1MiB", step_seconds=bad)
+
+
+def test_a_simulated_capacity_the_host_cannot_give_is_refused_before_any_trial(monkeypatch):
+    monkeypatch.setattr("batchfit.devices.cpu.available_host_bytes", lambda: 2**30)  # a host with 1 GiB free
+    model = torch.nn.Linear(8, 2)
+    batch = (torch.randn(4, 8), torch.randint(0, 2, (4,)))
+    trials = []
+    with pytest.raises(bf.InputError, match=r"sim:2\.0GiB would need up to 2\.0 GiB .* 1\.0 GiB available"):
+        bf.find_max_batch_size(
+            model, batch, loss_fn=torch.nn.functional.cross_entropy, device="sim:2GiB", on_trial=trials.append
+        )
+    assert trials == []
+    # within the host's share it runs; and the trace, which allocates nothing, takes any capacity
+    assert bf.probe_batch_size(model, batch, 4, loss_fn=torch.nn.functional.cross_entropy, device="sim:512MiB").fits
+    estimate = bf.estimate_memory(model, batch, 4, loss_fn=torch.nn.functional.cross_entropy, device="sim:2GiB")
+    assert estimate.fits

@@ -48,10 +48,44 @@ class SimulatedDevice(CountingDevice):
     def capacity_bytes(self) -> int:
         return self._capacity_bytes
 
+    def for_workload(self, workload: object) -> SimulatedDevice:
+        """This device, once the host is known to have the memory its trials may really take: a
+        simulated capacity above what the host can give would make a search a threat to the
+        machine (the OOM killer, or swapping), so it is refused in one line naming the fix."""
+        check_host_has(self._capacity_bytes, self.name)
+        return self
+
     def synchronize(self) -> None:
         """Wait for the step to finish: ``step_seconds`` of simulated compute (none by default)."""
         if self.step_seconds:
             time.sleep(self.step_seconds)
+
+
+HOST_SHARE = 0.8  # a simulated capacity may use at most this share of the host's available memory
+
+
+def check_host_has(capacity_bytes: int, name: str, available_bytes: int | None = None) -> None:
+    """An ``InputError`` when ``capacity_bytes`` of real tensors would not fit in ``HOST_SHARE`` of
+    the memory the host can still give (``available_bytes``, read from the host when ``None``).
+
+    >>> check_host_has(2**40, "sim:1.0TiB", available_bytes=2**34)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    batchfit.errors.InputError: sim:1.0TiB would need up to ... which has 16.0 GiB available: give a smaller ...
+    """
+    if available_bytes is None:
+        from batchfit.devices.cpu import available_host_bytes
+
+        available_bytes = available_host_bytes()
+    if available_bytes is None or capacity_bytes <= HOST_SHARE * available_bytes:
+        return
+    wanted = format_bytes(capacity_bytes)
+    raise InputError(
+        f"{name} would need up to {wanted} of this host's memory, which has {format_bytes(available_bytes)} "
+        f"available: give a smaller sim: capacity (at most {format_bytes(int(HOST_SHARE * available_bytes))} here), "
+        f"or estimate on fake tensors, which allocate nothing (batchfit estimate --capacity {wanted.replace(' ', '')}, "
+        "or TraceDevice)"
+    )
 
 
 def check_step_seconds(step_seconds: object) -> float:
