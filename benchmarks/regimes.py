@@ -48,6 +48,7 @@ from batchfit.step.batching import tensor_leaves
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
 from bench_workloads import CASES  # noqa: E402
 from bench_workloads import EDGES_PATH  # noqa: E402
 from bench_workloads import Case  # noqa: E402
@@ -56,6 +57,13 @@ from peer_methods import Run  # noqa: E402
 from peer_methods import Tally  # noqa: E402
 from peer_methods import train_step  # noqa: E402
 from peers import git_state  # noqa: E402
+
+from hf_models import Size  # noqa: E402
+from hf_models import bert  # noqa: E402
+from hf_models import gpt2  # noqa: E402
+from hf_models import llama  # noqa: E402
+from hf_models import t5  # noqa: E402
+from hf_models import workload  # noqa: E402
 
 CHEAP_SECONDS, EXPENSIVE_SECONDS = 0.0, 1.0  # simulated seconds per completed training step
 BINARY_MAX, GROW_START, GROW_TRIALS = 512, 32, 5  # binary and grow as benchmarks/peers.py runs them
@@ -67,83 +75,27 @@ SEQ, VOCAB = 64, 1024  # the outside language models: tokens per row and vocabul
 # -- outside models: small configs, random weights, no download ----------------------------------
 
 
-def _token_ids(rows: int = 4, seq: int = SEQ) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (rows, seq))
-
-
-def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=3e-4)
+HF_SIZE = Size(width=128, layers=2, heads=4, ffn=256, vocab=VOCAB, seq=SEQ, rows=4, kv_heads=2)
 
 
 def hf_gpt2() -> bf.Workload:
     """Hugging Face GPT-2, 2 layers of width 128, next-token loss on 64 tokens."""
-    from transformers import GPT2Config
-    from transformers import GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0)
-    model, ids = GPT2LMHeadModel(config), _token_ids()
-    return bf.Workload(model, {"input_ids": ids, "labels": ids}, None, _adamw(model), name="hf-gpt2")
+    return workload(gpt2, HF_SIZE, "hf-gpt2")
 
 
 def hf_bert() -> bf.Workload:
     """Hugging Face BERT for 3-way sequence classification, 2 layers of width 128, 64 tokens."""
-    from transformers import BertConfig
-    from transformers import BertForSequenceClassification
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=256,
-        max_position_embeddings=SEQ,
-        num_labels=3,
-    )
-    model, ids = BertForSequenceClassification(config), _token_ids()
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1, 2, 0])}
-    return bf.Workload(model, batch, None, _adamw(model), name="hf-bert")
+    return workload(bert, HF_SIZE, "hf-bert")
 
 
 def hf_t5() -> bf.Workload:
     """Hugging Face T5, 2 encoder and 2 decoder layers of width 128, 64 tokens in, 32 out."""
-    from transformers import T5Config
-    from transformers import T5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=128,
-        d_kv=32,
-        d_ff=256,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
-    model, batch = T5ForConditionalGeneration(config), {"input_ids": _token_ids(), "labels": _token_ids(seq=SEQ // 2)}
-    return bf.Workload(model, batch, None, _adamw(model), name="hf-t5")
+    return workload(t5, HF_SIZE, "hf-t5")
 
 
 def hf_llama() -> bf.Workload:
     """Hugging Face Llama, 2 layers of width 128 with grouped-query attention, 64 tokens."""
-    from transformers import LlamaConfig
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-    )
-    model, ids = LlamaForCausalLM(config), _token_ids()
-    return bf.Workload(model, {"input_ids": ids, "labels": ids}, None, _adamw(model), name="hf-llama")
+    return workload(llama, HF_SIZE, "hf-llama")
 
 
 class StackedLSTM(nn.Module):

@@ -20,9 +20,11 @@ Writes benchmarks/TRACE.md.
 from __future__ import annotations
 
 import cProfile
+import dataclasses
 import os
 import pstats
 import resource
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,84 +43,37 @@ from batchfit.search.prober import Prober
 from batchfit.search.runner import trace_estimate
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+from hf_models import Size  # noqa: E402
+from hf_models import bert  # noqa: E402
+from hf_models import gpt2  # noqa: E402
+from hf_models import llama  # noqa: E402
+from hf_models import t5  # noqa: E402
+from hf_models import workload  # noqa: E402
+
 SEQ = 128  # tokens per row of the Hugging Face models
 VOCAB = 8192
 PROFILED = "HF GPT-2"
 REPEATS = 2  # timings are the faster of two runs: the machine is shared
 
 
-def _hf(model: torch.nn.Module, batch: dict, name: str) -> bf.Workload:
-    return bf.Workload(model, batch, None, torch.optim.AdamW(model.parameters(), lr=1e-4), name=name)
+HF_SIZE = Size(width=256, layers=4, heads=4, ffn=1024, vocab=VOCAB, seq=SEQ, rows=2, kv_heads=2)
 
 
 def hf_gpt2() -> bf.Workload:
-    from transformers import GPT2Config
-    from transformers import GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=4, n_embd=256, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0
-    )
-    ids = torch.randint(0, VOCAB, (2, SEQ))
-    return _hf(GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}, "hf-gpt2")
+    return workload(gpt2, HF_SIZE, "hf-gpt2", lr=1e-4)
 
 
 def hf_bert() -> bf.Workload:
-    from transformers import BertConfig
-    from transformers import BertForSequenceClassification
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=1024,
-        max_position_embeddings=SEQ,
-        num_labels=3,
-    )
-    ids = torch.randint(0, VOCAB, (2, SEQ))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1])}
-    return _hf(BertForSequenceClassification(config), batch, "hf-bert")
+    return workload(bert, HF_SIZE, "hf-bert", lr=1e-4)
 
 
 def hf_t5() -> bf.Workload:
-    from transformers import T5Config
-    from transformers import T5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=256,
-        d_kv=64,
-        d_ff=1024,
-        num_layers=4,
-        num_decoder_layers=4,
-        num_heads=4,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
-    ids = torch.randint(0, VOCAB, (2, SEQ))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(0, VOCAB, (2, SEQ // 2))}
-    return _hf(T5ForConditionalGeneration(config), batch, "hf-t5")
+    return workload(t5, HF_SIZE, "hf-t5", lr=1e-4)
 
 
 def hf_llama() -> bf.Workload:
-    from transformers import LlamaConfig
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-    )
-    ids = torch.randint(0, VOCAB, (2, SEQ))
-    return _hf(LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}, "hf-llama")
+    return workload(llama, dataclasses.replace(HF_SIZE, ffn=688), "hf-llama", lr=1e-4)
 
 
 @dataclass(frozen=True)

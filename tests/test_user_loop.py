@@ -17,62 +17,22 @@ from torch.nn import functional as F
 import batchfit as bf
 
 sys.path.insert(0, str(Path(__file__).parent))
+from hf_models import Size
+from hf_models import gpt2
+from hf_models import llama
+from hf_models import t5
 from models import mlp_tuple
 
 CAPACITY = "12MiB"
-VOCAB = 512
+SIZE = Size(width=32, layers=1, heads=2, ffn=64, vocab=512, seq=16, rows=2, kv_heads=1)
 
 
-def gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config
-    from transformers import GPT2LMHeadModel
-
-    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64))
-
-
-def llama() -> torch.nn.Module:
-    from transformers import LlamaConfig
-    from transformers import LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config)
-
-
-def t5() -> torch.nn.Module:
-    from transformers import T5Config
-    from transformers import T5ForConditionalGeneration
-
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=32,
-        d_kv=16,
-        d_ff=64,
-        num_layers=1,
-        num_decoder_layers=1,
-        num_heads=2,
-        decoder_start_token_id=0,
-    )
-    return T5ForConditionalGeneration(config)
-
-
-def sample(build, rows: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (rows, seq_len), generator=generator)
-    labels = torch.randint(0, VOCAB, (rows, 8), generator=generator) if build is t5 else ids.clone()
-    return {"input_ids": ids, "labels": labels}
+def sample(build) -> dict[str, torch.Tensor]:
+    return build(SIZE)[1]
 
 
 def built(build):
-    torch.manual_seed(0)
-    model = build()
+    model = build(SIZE)[0]
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
