@@ -152,8 +152,7 @@ RECURRENT_CASES = [  # (rnn, two bidirectional layers?, autocast): GRU and RNN r
     (nn.LSTM, False, "bf16"),
     (nn.LSTM, True, None),
     (nn.LSTM, True, "bf16"),
-    (nn.GRU, False, None),
-    (nn.GRU, False, "bf16"),
+    (nn.GRU, False, None),  # GRU and RNN never call the LSTM kernel: a check that nothing else moved
     (nn.RNN, True, None),
 ]
 
@@ -166,7 +165,7 @@ def test_a_recurrent_estimate_is_within_one_percent_of_the_measured_peak(rnn, st
     model = Stacked(rnn) if stacked else LastStep(rnn)
     batch = torch.randn(4, 12, 24 if stacked else 32)
     kwargs = {"loss_fn": _loss, "optimizer": torch.optim.Adam(model.parameters()), "amp_dtype": amp}
-    for batch_size in (1, 9, 40):
+    for batch_size in (1, 40):  # the workspace grows with the batch: two sizes test its line
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # nothing under-counted: no warning
             estimate = bf.estimate_memory(model, batch, batch_size, device="1GiB", **kwargs)
