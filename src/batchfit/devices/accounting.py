@@ -95,6 +95,7 @@ class LiveBytes:
         self.exact_timeline: list[int] = []
         self.ledger: Ledger | None = None
         self._refs: dict[int, weakref.ref] = {}
+        self.uncounted: frozenset[int] = frozenset()  # storage keys never counted while a mode is active
 
     def _rounded(self, nbytes: int) -> int:
         block = self.rounding_bytes
@@ -113,7 +114,7 @@ class LiveBytes:
             return 0
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key in self._refs:
+        if key in self._refs or key in self.uncounted:
             return 0
         exact_nbytes = storage.nbytes()
         if exact_nbytes == 0:
@@ -175,18 +176,21 @@ class _CountingMode(TorchDispatchMode):
         self.counter = counter
         self.uncounted = uncounted  # storage keys of host data (the sample): read, never counted
 
-    def _track(self, tensor: Any) -> int:
-        if self.uncounted and tensor.untyped_storage()._cdata in self.uncounted:
-            return 0
-        return self.counter.track(tensor)
+    def __enter__(self) -> _CountingMode:
+        self.counter.uncounted = self.uncounted  # only while active: a freed key may be reused later
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.counter.uncounted = frozenset()
+        return super().__exit__(*exc_info)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         counter = self.counter
         for arg in args:
             for tensor in _tensors_in(arg):
-                self._track(tensor)
+                counter.track(tensor)
         out = func(*args, **(kwargs or {}))
-        requested = sum(self._track(tensor) for tensor in _tensors_in(out))
+        requested = sum(counter.track(tensor) for tensor in _tensors_in(out))
         if counter.over_limit():
             message = counter.oom_message(requested)
             del out  # a real allocator never hands out the block: nothing may keep it alive
