@@ -4,7 +4,7 @@ Part 1, the trace that ``auto`` runs before its real trials, per model: the buil
 Hugging Face GPT-2, BERT, T5 and Llama built from small configs (random weights, no download;
 skipped without ``transformers``), each on a simulated device. "Before" is the search on fake
 trials the trace used to run (``strategy="auto"`` on a ``TraceDevice``); "after" is
-``trace_estimate`` (lines through two fake trials, see ``batchfit.search.trace_first``). Both
+``trace_estimate`` (lines through two fake trials, see ``batchfit.search.lines_first``). Both
 must give the same edge. Against them: the seconds of the real trials ``auto`` then runs, at
 the edge and one above it, on a ``SimulatedDevice`` of the same capacity. A profile of one trace
 says where its time goes.
@@ -163,7 +163,7 @@ BUCKETS = [
     ("torch/utils/_python_dispatch", "dispatch-mode plumbing (mode stack, dynamo guards)"),
     ("torch/_ops.py", "dispatch-mode plumbing (mode stack, dynamo guards)"),
     ("batchfit/devices/accounting.py", "batchfit's counting mode and storage log"),
-    ("batchfit/search/trace_first.py", "batchfit's counting mode and storage log"),
+    ("batchfit/search/lines_first.py", "batchfit's lines from two trials"),
     ("batchfit/devices/trace.py", "batchfit's under-count watch"),
     ("torch/optim", "optimizer step (Python)"),
     ("transformers/", "the model's own Python (transformers)"),

@@ -24,7 +24,7 @@ def first_trial(seconds: float, ops: int) -> Trial:
     ("seconds", "ops", "warm", "trace_first", "says"),
     [
         (5.0, 2000, True, True, "would cost less than the real trial at 1"),  # an expensive trial
-        (0.01, 200, True, True, "the trace is cheap"),  # 0.08 s of fake ops: it bounds the real trials
+        (0.1, 200, True, True, "would cost less"),  # 0.08 s of fake ops against a 100 ms trial
         (0.01, 2000, True, False, "would cost more"),  # 0.8 s of fake ops against a 10 ms trial
         (0.01, 200, False, False, "would cost more"),  # the fake mode's start-up is not paid yet
     ],
@@ -50,12 +50,12 @@ def test_cheap_trials_measure_first_and_the_answer_is_the_same_either_way(monkey
     monkeypatch.setattr(evidence, "FAKE_OP_SECONDS", 1.0)  # a trace that could never pay
     untraced = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity))
     assert not untraced.extra["evidence"]["trace_first"] and "trace" not in untraced.extra
-    assert untraced.trials[0].batch_size == 1 and "; no trace: " in untraced.summary()
+    assert untraced.trials[0].batch_size == 2 and "; no trace: " in untraced.summary()
     monkeypatch.setattr(evidence, "FAKE_OP_SECONDS", 0.0)  # a trace that costs nothing: it goes next
     monkeypatch.setattr(evidence, "fake_mode_warm", lambda: True)
     traced = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity))
     assert traced.extra["evidence"]["trace_first"] and traced.extra["trace"]["batch_size"] == traced.batch_size
-    assert [t.batch_size for t in traced.trials] == [1, traced.batch_size, traced.batch_size + 1]
+    assert [t.batch_size for t in traced.trials] == [2, traced.batch_size, traced.batch_size + 1]
     assert traced.batch_size == untraced.batch_size
 
 

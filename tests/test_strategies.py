@@ -195,3 +195,13 @@ def test_a_failed_guess_does_not_use_up_the_trials_before_bisection():
     )
     assert sizes == [2400, 2280, 1, 300, 301]  # 5 trials, past bisect_after=4, yet the model still aims
     assert answer == 300
+
+
+def test_auto_gallops_up_where_its_model_keeps_undershooting():
+    # Memory that grows slower than any line through the trials: each aim fits. Past bisect_after
+    # aims, auto steps 2%, 4%, 8%, ... above the last fit until a size fails (it doubled, 2x past the edge).
+    space = SearchSpace(1, 100_000, limit_bytes=447_214)
+    peak = lambda b: int(10_000 * b**0.5)  # noqa: E731
+    sizes, answer = run_strategy(Auto(), space, lambda b: peak(b) <= 447_214, peak)
+    assert sizes[:9] == [1, 44, 334, 889, 1379, 1683, 1716, 1784, 1926]  # the model's aims, then 2%, 4%, 8%
+    assert answer == 2000 and max(sizes) < 1.2 * 2000 and len(sizes) == 18

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -21,6 +22,7 @@ from batchfit.errors import InputError
 # The simulated OOM message carries the CPU allocator's wording so that tools matching OOMs by
 # message (Lightning, accelerate) recognise it as well.
 PEER_OOM_WORDING = "DefaultCPUAllocator: can't allocate memory"
+LARGE_BLOCK_OVER_BYTES = 2**20  # storages over 1 MiB are rounded to ``large_rounding_bytes``
 
 
 class Ledger:
@@ -96,14 +98,25 @@ class LiveBytes:
         self.ledger: Ledger | None = None
         self._refs: dict[int, weakref.ref] = {}
         self.uncounted: frozenset[int] = frozenset()  # storage keys never counted while a mode is active
+        self._restart_log()
+
+    def _restart_log(self) -> None:
+        """Forget the storages logged so far (``storage_log``): a new trial starts."""
+        self._born: list[int] = []
+        self._freed: list[int] = []
+        self._made_nbytes: list[int] = []
+        self._open: dict[int, int] = {}  # storage key -> its index in the lists, while it lives
 
     def _rounded(self, nbytes: int) -> int:
         block = self.rounding_bytes
-        if self.large_rounding_bytes is not None and nbytes > 2**20:
+        if self.large_rounding_bytes is not None and nbytes > LARGE_BLOCK_OVER_BYTES:
             block = self.large_rounding_bytes
         return -(-nbytes // block) * block
 
     def _release(self, key: int, nbytes: int, exact_nbytes: int) -> None:
+        index = self._open.pop(key, None)
+        if index is not None:
+            self._freed[index] = len(self.timeline)
         if self._refs.pop(key, None) is not None:
             self.live_bytes -= nbytes
             self.exact_live_bytes -= exact_nbytes
@@ -121,6 +134,10 @@ class LiveBytes:
             return 0
         nbytes = self._rounded(exact_nbytes)
         self._refs[key] = weakref.ref(storage, lambda _ref, k=key, n=nbytes, e=exact_nbytes: self._release(k, n, e))
+        self._open[key] = len(self._born)
+        self._born.append(len(self.timeline))
+        self._freed.append(-1)
+        self._made_nbytes.append(exact_nbytes)
         self.live_bytes += nbytes
         self.exact_live_bytes += exact_nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
@@ -137,6 +154,25 @@ class LiveBytes:
         """Count tensors that existed before the trial (parameters, buffers, optimizer state)."""
         for tensor in tensors:
             self.track(tensor)
+
+    def storage_log(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every storage counted since ``mode()`` began: the index of the first ``timeline`` entry
+        that counts it, of the first that no longer does (the timeline's length if it still
+        lives), and its bytes before rounding. Two trials' logs give each storage's line in the
+        batch size (``batchfit.search.memory_model.StorageLines``)."""
+        freed = np.array(self._freed, dtype=np.int64)
+        return (
+            np.array(self._born, dtype=np.int64),
+            np.where(freed < 0, len(self.timeline), freed),
+            np.array(self._made_nbytes, dtype=np.int64),
+        )
+
+    def rounded(self, sizes: np.ndarray) -> np.ndarray:
+        """``sizes`` (bytes) rounded up to the blocks this counter counts them in."""
+        block = np.full_like(sizes, self.rounding_bytes)
+        if self.large_rounding_bytes is not None:
+            block = np.where(sizes > LARGE_BLOCK_OVER_BYTES, self.large_rounding_bytes, block)
+        return -(-sizes // block) * block
 
     def over_limit(self) -> bool:
         return self.limit_bytes is not None and self.live_bytes > self.limit_bytes
@@ -158,6 +194,7 @@ class LiveBytes:
         ``timeline`` and ``exact_timeline`` (cleared here)."""
         self.timeline = []
         self.exact_timeline = []
+        self._restart_log()
         return _CountingMode(self, frozenset(self.keys_of(uncounted)))
 
 

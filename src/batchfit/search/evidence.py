@@ -25,10 +25,6 @@ EXPENSIVE_STEP_SECONDS = 0.05  # a device that says a step costs this much: the 
 # Constants, not a calibration run: measuring them would cost the start-up the choice may avoid.
 FAKE_OP_SECONDS = 1e-4
 FAKE_START_SECONDS = 0.7
-# A trace predicted to cost less than this runs even when the first real trial was cheaper: it
-# bounds the real trials to about two, where real trials alone can take many more on a workload
-# whose memory lines are hard to read at small sizes (17 trials on a 100-parameter MLP, 10 of them OOM).
-CHEAP_TRACE_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
@@ -67,8 +63,8 @@ def before_any_trial(device: Device) -> EvidenceChoice | None:
 
 def after_first_trial(trial: Trial) -> EvidenceChoice:
     """The choice once the first real trial has run: trace if the trace is predicted to cost less
-    than that trial did (it replaces at least one trial like it), or less than
-    ``CHEAP_TRACE_SECONDS`` in all. The prediction: the trial's ops
+    than that trial did (it replaces the second small trial the storages' lines need, one like
+    it; see ``batchfit.search.lines_first``). The prediction: the trial's ops
     per step (its timeline's length) for ``TRACE_FAKE_TRIALS`` fake trials of two steps, at
     ``FAKE_OP_SECONDS`` each, plus the fake mode's start-up when this process has not paid it.
 
@@ -84,11 +80,6 @@ def after_first_trial(trial: Trial) -> EvidenceChoice:
     figures = f"{predicted:.2g} s predicted against {trial.seconds:.2g} s"
     if predicted < trial.seconds:
         cheaper, reason = True, f"the trace would cost less than the real trial at {trial.batch_size} ({figures})"
-    elif predicted < CHEAP_TRACE_SECONDS:
-        cheaper, reason = (
-            True,
-            f"the trace is cheap ({figures}, under {CHEAP_TRACE_SECONDS:g} s) and bounds the real trials",
-        )
     else:
         cheaper, reason = False, f"the trace would cost more than the real trial at {trial.batch_size} ({figures})"
     return EvidenceChoice(

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.base import Device
+from batchfit.devices.trace import TraceDevice
 from batchfit.devices.trace import is_users_error
 from batchfit.devices.trace import undercount_message
 from batchfit.devices.units import format_bytes
@@ -32,16 +34,16 @@ from batchfit.search.cached import open_cache
 from batchfit.search.evidence import EvidenceChoice
 from batchfit.search.evidence import after_first_trial
 from batchfit.search.evidence import before_any_trial
+from batchfit.search.lines_first import LinesFirst
 from batchfit.search.result import SearchResult
 from batchfit.search.settings import SearchSettings
 from batchfit.search.settings import margin_bytes
+from batchfit.search.strategies import Auto
 from batchfit.search.strategies import SearchSpace
 from batchfit.search.strategies import Strategy
 from batchfit.search.strategies import bracket
 from batchfit.search.strategies import make_strategy
 from batchfit.search.strategies import strategy_name
-from batchfit.search.trace_first import LinesFirst
-from batchfit.search.trace_first import logging_trace_device
 from batchfit.search.trial import Trial
 from batchfit.step.batching import pad_sequences
 from batchfit.step.compiled import CompileWatch
@@ -109,12 +111,12 @@ def trace_estimate(
     an op the trace under-counts is a warning (the real probes decide).
 
     Usually two fake trials: they draw every storage's bytes as a line in the batch size, and the
-    edge is read off the lines (see ``batchfit.search.trace_first``). The answer's keys:
+    edge is read off the lines (see ``batchfit.search.lines_first``). The answer's keys:
     ``batch_size``, ``trials`` (fake trials run), ``seconds`` and ``method`` (``"lines"``, or
     ``"search"`` when the lines could not decide and a search on fake trials went on)."""
     start = time.perf_counter()
-    tracer, log = logging_trace_device(limit_bytes, device.torch_device)
-    strategy = LinesFirst(log)
+    tracer = TraceDevice(limit_bytes, device=device.torch_device)
+    strategy = LinesFirst(tracer.counter)
     try:
         estimate = search_workload(
             workload,
@@ -218,13 +220,25 @@ def _plan(workload: Any, settings: SearchSettings, device: DeviceSpec) -> _Plan:
     and the usable bytes (under ranks, the smallest device's)."""
     backend = backend_for(workload)
     dev = backend.resolve_device(workload, device)
-    wanted = settings.strategy
-    strategy = make_strategy(backend.auto_strategy(dev) if _is_auto(wanted) else wanted)
     capacity, limit = usable_bytes(dev, settings.margin)
     agreeing = distributed.active() if settings.agree is None else settings.agree
     if agreeing and limit is not None:
         limit = distributed.agree_min(limit)  # every rank aims at the smallest device's memory
+    strategy = _strategy(backend, dev, settings.strategy, agreeing)
     return _Plan(backend, dev, settings, strategy, capacity, limit, agreeing)
+
+
+def _strategy(backend: SearchBackend, device: Device, wanted: str | Strategy, agreeing: bool) -> Strategy:
+    """The strategy asked for; ``"auto"``: the backend's default, which begins with the storages'
+    lines (``LinesFirst``) on a device that counts every storage, unless ranks must agree (each
+    rank's storages could differ, and every rank must propose the same sizes)."""
+    if not _is_auto(wanted):
+        return make_strategy(wanted)
+    strategy = make_strategy(backend.auto_strategy(device))
+    counter = getattr(device, "counter", None)
+    if isinstance(strategy, Auto) and isinstance(counter, LiveBytes) and not backend.is_trace(device) and not agreeing:
+        return LinesFirst(counter, verify=True)
+    return strategy
 
 
 def _is_auto(strategy: str | Strategy) -> bool:

@@ -134,7 +134,8 @@ class Auto:
     it fits and that one more does not; refine with every new point. A guess that fails is tried
     5% lower once, then the minimum is measured so the model can aim. After a miss above the edge
     it steps down geometrically from the failure; past ``bisect_after`` trials since the first
-    fit, or with no capacity to aim at, it falls back to bisection.
+    fit it gallops up from the last fit (2%, 4%, 8%, ... more) until a size fails, then bisects;
+    with no capacity to aim at, it doubles until a failure, then bisects.
     """
 
     name = "auto"
@@ -160,8 +161,11 @@ class Auto:
         model = MemoryModel.fit(trials)
         edge = None if model is None or space.limit_bytes is None else model.max_batch_size(space.limit_bytes)
         aimed = len(trials) - next(i for i, t in enumerate(trials) if t.fits)  # a failed guess's trials don't count
-        if edge is None or aimed >= self.bisect_after:
+        if edge is None:
             return _grow_or_bisect(lo, hi, space, 2.0)
+        if aimed >= self.bisect_after:  # the model keeps missing: gallop up from the last fit, or bisect
+            beyond = aimed - self.bisect_after
+            return _grow_or_bisect(lo, hi, space, 1 + self.gallop_fraction * 2 ** (beyond + 1))
         misses = _failures_at_end(trials)
         if misses:
             step = max(1, math.ceil(hi * self.gallop_fraction * 2 ** (misses - 1)))
