@@ -45,6 +45,8 @@ def test_auto_sequences_on_the_test_models():
         result = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity), trace=False)
         sequences[case.name] = [t.batch_size for t in result.trials]
         assert result.batch_size == linear_scan_edge(case)
+        assert result.extra["lines"] == {"batch_size": result.batch_size, "from": [2, 3]}
+        assert "the lines of the trials at 2 and 3 put the edge at" in result.summary()
     assert sequences == {
         "mlp_tuple": [2, 3, 56, 57],
         "cnn_bn": [2, 3, 29, 30],

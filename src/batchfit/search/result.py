@@ -89,8 +89,11 @@ class SearchResult:
                 f"no trials run now (found by '{self.strategy}' in {self.cached['trials']} trials on {when}; "
                 f"--no-cache measures again){exact}."
             )
-        traced = self.extra.get("trace") or {}
+        traced, lines = self.extra.get("trace") or {}, self.extra.get("lines") or {}
         after = f" after a trace estimate of {traced['batch_size']}" if traced.get("batch_size") else ""
+        if lines:
+            sizes = " and ".join(str(size) for size in lines["from"])
+            after = f" (the lines of the trials at {sizes} put the edge at {lines['batch_size']})"
         return (
             f"Largest batch size that fits on {self.device}: {self.batch_size} "
             f"(peak {format_bytes(self.peak_bytes)} of {format_bytes(self.capacity_bytes)}), "

@@ -312,6 +312,8 @@ def _run_trials(
         watch = prober.compile_watch
         if watch is not None:
             reported["compile"] = _compile_report(watch, trials)
+    if isinstance(plan.strategy, LinesFirst) and plan.strategy.edge is not None:
+        reported["lines"] = {"batch_size": plan.strategy.edge, "from": [t.batch_size for t in trials[:2]]}
     return trials, space, reported
 
 
