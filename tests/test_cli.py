@@ -171,6 +171,8 @@ def test_auto_device_says_plainly_that_it_simulates():
         (["mlp", "--device", "sim:7.1MiB"], "even batch size 1 does not fit on sim:7.1MiB"),
         (["mlp", "--device", "sim:1MiB"], "before any batch"),
         (["mlp", "--strategy", "fastest"], "unknown strategy 'fastest'"),
+        (["mlp", "--max-seconds", "0"], "max_seconds must be above 0"),
+        (["mlp", "--device", "sim:8MiB", "--max-seconds", "1e-9"], "max_seconds ran out before any size fitted"),
         (
             ["mlp", "--json", "no/such/folder/r.json", "--max-trials", "1", "--no-trace"],
             "folder no/such/folder does not exist",

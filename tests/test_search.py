@@ -121,6 +121,24 @@ def test_max_trials_stops_early_and_says_the_edge_is_unconfirmed():
     assert "not confirmed" in result.summary()
 
 
+def test_max_seconds_starts_no_trial_past_the_budget_and_answers_the_largest_confirmed(tmp_path):
+    case = CASES[0]
+    device = bf.SimulatedDevice(case.capacity, step_seconds=0.25)  # a trial's two steps: at least 0.5 s
+    run = dict(device=device, trace=False, max_seconds=0.4, cache=tmp_path)
+    result = bf.search_workload(case.build(), **run)
+    assert [t.batch_size for t in result.trials] == [2] and result.batch_size == 2 and not result.exact
+    assert result.extra["stopped_by"] == "max_seconds" and "stopped early by max_seconds" in result.summary()
+    again = bf.search_workload(case.build(), **run)  # an edge the clock cut short was not cached
+    assert not again.cached and [t.batch_size for t in again.trials] == [2]
+
+
+def test_max_seconds_that_ends_before_any_fit_says_so_in_one_line():
+    with pytest.raises(bf.NoBatchFitsError, match=r"^max_seconds ran out before any size fitted: raise max_seconds"):
+        bf.search_workload(mlp_tuple(), device=bf.SimulatedDevice("1MiB"), max_seconds=1e-9)
+    with pytest.raises(bf.InputError, match="max_seconds must be above 0"):
+        bf.search_workload(mlp_tuple(), device=bf.SimulatedDevice("1MiB"), max_seconds=0)
+
+
 def test_nothing_fits_raises_naming_the_size_and_capacity():
     work = mlp_tuple()
     with pytest.raises(bf.NoBatchFitsError, match=r"even batch size 1 does not fit on sim:\S+ \(usable") as info:

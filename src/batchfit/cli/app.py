@@ -68,6 +68,10 @@ def find(
     max_batch_size: Annotated[int | None, typer.Option(help="Largest size to consider.")] = None,
     margin: Annotated[str, typer.Option(help="Headroom: bytes, a size like 512MiB, or a fraction like 0.05.")] = "0",
     max_trials: Annotated[int | None, typer.Option(help="Stop after this many trials.")] = None,
+    max_seconds: Annotated[
+        float | None,
+        typer.Option(help="Start no trial after this many seconds; answer the largest size confirmed so far."),
+    ] = None,
     trace: Annotated[
         bool | None,
         typer.Option(
@@ -113,6 +117,7 @@ def find(
             max_batch_size=max_batch_size,
             margin=parse_margin(margin),
             max_trials=max_trials,
+            max_seconds=max_seconds,
             trace="auto" if trace is None else trace,
             cache=(cache_dir or True) if cache or cache_dir else False,  # a folder given asks for the cache
         )
@@ -147,7 +152,7 @@ def _search_live(work: Any, dev: Any, done: list[Trial], quiet: bool, **settings
             status.stop()
 
         def started(batch_size: int) -> None:
-            status.update(f"Probing batch size {batch_size}: two full training steps")
+            status.update(f"Probing batch size {batch_size}: two full training steps{bracket_text(done)}")
 
         def finished(trial: Trial) -> None:
             done.append(trial)
@@ -155,6 +160,19 @@ def _search_live(work: Any, dev: Any, done: list[Trial], quiet: bool, **settings
                 console.print(escape(trial.describe(capacity)), highlight=False)
 
         return search_workload(work, device=dev, on_trial=finished, on_trial_start=started, **settings)
+
+
+def bracket_text(done: list[Trial]) -> str:
+    """Where the edge lies so far: ``" (fits: 10, fails: 16)"``, or ``""`` before any trial.
+
+    >>> bracket_text([Trial(10, True, 1, 0.1), Trial(16, False, None, 0.1)])
+    ' (fits: 10, fails: 16)'
+    """
+    if not done:
+        return ""
+    failed = min((t.batch_size for t in done if not t.fits), default=None)
+    fitted = max((t.batch_size for t in done if t.fits and (failed is None or t.batch_size < failed)), default=None)
+    return f" (fits: {fitted if fitted is not None else 'none yet'}, fails: {failed if failed is not None else 'none yet'})"
 
 
 def _interrupted(done: list[Trial], dev: Any) -> None:

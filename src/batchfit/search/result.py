@@ -20,7 +20,8 @@ class SearchResult:
     ``min_batch_size`` and ``max_batch_size`` are the caller's bounds on the sizes tried
     (``max_batch_size=None``: no cap given); ``upper_bound`` is the largest size the search would
     consider. ``exact`` is true when the edge is confirmed: ``batch_size + 1`` failed, or
-    ``batch_size`` is ``upper_bound``. It is false only when ``max_trials`` stopped the search early.
+    ``batch_size`` is ``upper_bound``. It is false only when ``max_trials`` or ``max_seconds``
+    stopped the search early (``extra["stopped_by"]`` names which).
 
     >>> result = SearchResult(batch_size=24, trials=[Trial(24, True, 900, 0.1), Trial(25, False, None, 0.1)],
     ...     strategy="binary", capacity_bytes=1000, limit_bytes=1000, device="sim:1000B", min_batch_size=1,
@@ -80,7 +81,8 @@ class SearchResult:
 
     def summary(self) -> str:
         """One sentence with the answer."""
-        exact = "" if self.exact else " (stopped early by max_trials: the edge is not confirmed)"
+        stopped_by = self.extra.get("stopped_by", "max_trials")
+        exact = "" if self.exact else f" (stopped early by {stopped_by}: the edge is not confirmed)"
         if self.cached:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.cached["created"]))
             return (

@@ -86,14 +86,14 @@ def device_for(workload: Any, device: DeviceSpec) -> Device:
 
 
 def _nothing_fits(
-    trials: list[Trial], device: Device, limit_bytes: int | None, min_batch_size: int
+    trials: list[Trial], device: Device, limit_bytes: int | None, min_batch_size: int, stopped_by: str | None = None
 ) -> NoBatchFitsError:
-    smallest = min(t.batch_size for t in trials if not t.fits)
-    if smallest > min_batch_size:  # max_trials ran out before the search got down to the minimum
+    smallest = min((t.batch_size for t in trials if not t.fits), default=None)
+    if smallest is None or smallest > min_batch_size:  # a limit stopped the search before the minimum
+        limit = stopped_by or "max_trials"
+        tried = f" (the smallest tried, {smallest}, did not fit on {device.name})" if smallest is not None else ""
         return NoBatchFitsError(
-            f"max_trials ran out before any size fitted (the smallest tried, {smallest}, did not fit on {device.name}): "
-            "raise max_trials or lower max_batch_size",
-            trials,
+            f"{limit} ran out before any size fitted{tried}: raise {limit} or lower max_batch_size", trials
         )
     return NoBatchFitsError(
         f"even batch size {smallest} does not fit on {device.name} (usable {format_bytes(limit_bytes)}): "
@@ -208,9 +208,9 @@ def search_workload(
     if hit is not None:
         return hit
     plan, traced, deferred = _guess_by_trace(plan, workload)
-    trials, space, reported = _run_trials(plan, workload, on_trial, on_trial_start, deferred)
+    trials, space, reported = _run_trials(plan, workload, on_trial, on_trial_start, deferred, start)
     result = _result(plan, workload.name, trials, space, {**traced, **reported}, start)
-    if cached is not None:
+    if cached is not None and "stopped_by" not in result.extra:  # an edge the clock cut short is not kept
         cached.store(result)
     return result
 
@@ -291,9 +291,11 @@ def _run_trials(
     on_trial: Callable[[Trial], None] | None,
     on_trial_start: Callable[[int], None] | None,
     deferred: bool = False,
+    start: float | None = None,
 ) -> tuple[list[Trial], SearchSpace, dict[str, Any]]:
-    """Trials until the strategy is done or ``max_trials`` ran out; the space they kept to; and
-    what the search reports (``{"compile": ...}`` for a compiled model; with ``deferred``, the
+    """Trials until the strategy is done, or ``max_trials`` or ``max_seconds`` (counted from
+    ``start``) ran out; the space they kept to; and what the search reports (``{"stopped_by":
+    ...}`` when a limit stopped it; ``{"compile": ...}`` for a compiled model; with ``deferred``, the
     choice of evidence made after the first trial, and the trace if it was chosen)."""
     s = plan.settings
     prepared = plan.device.prepare(workload)
@@ -301,9 +303,13 @@ def _run_trials(
     reported: dict[str, Any] = {}
     with plan.backend.prober(prepared, plan.device, steps=s.steps, limit_bytes=plan.limit_bytes) as prober:
         space = _space(plan, prepared, prober.baseline_bytes)
-        while s.max_trials is None or len(trials) < s.max_trials:
+        while True:
             batch_size = plan.strategy.next(trials, space)
             if batch_size is None:
+                break
+            limit = _limit_reached(plan, len(trials), start)
+            if limit is not None:
+                reported["stopped_by"] = limit
                 break
             _check_proposal(batch_size, trials, space, plan.strategy)
             trials.append(_one_trial(plan, prober, batch_size, on_trial, on_trial_start))
@@ -315,6 +321,21 @@ def _run_trials(
     if isinstance(plan.strategy, LinesFirst) and plan.strategy.edge is not None:
         reported["lines"] = {"batch_size": plan.strategy.edge, "from": [t.batch_size for t in trials[:2]]}
     return trials, space, reported
+
+
+def _limit_reached(plan: _Plan, done: int, start: float | None) -> str | None:
+    """``"max_trials"`` or ``"max_seconds"`` when that limit forbids another trial, else ``None``;
+    ranks that agree stop together (each rank's clock differs)."""
+    s = plan.settings
+    limit = None
+    if s.max_trials is not None and done >= s.max_trials:
+        limit = "max_trials"
+    elif s.max_seconds is not None and start is not None and time.perf_counter() - start >= s.max_seconds:
+        limit = "max_seconds"
+    if plan.agreeing and s.max_seconds is not None:
+        stops = distributed.agree_min(0 if limit else 1) == 0  # one rank out of time stops them all
+        limit = (limit or "max_seconds") if stops else None
+    return limit
 
 
 def _choose_after_first(plan: _Plan, workload: Any, first: Trial, reported: dict[str, Any]) -> _Plan:
@@ -367,7 +388,7 @@ def _result(
     s = plan.settings
     lo, hi = bracket(trials, space)
     if lo < s.min_batch_size:
-        raise _nothing_fits(trials, plan.device, plan.limit_bytes, s.min_batch_size)
+        raise _nothing_fits(trials, plan.device, plan.limit_bytes, s.min_batch_size, extra.get("stopped_by"))
     return SearchResult(
         batch_size=lo,
         trials=trials,
@@ -423,6 +444,7 @@ def find_max_batch_size(
     strategy: str | Strategy = "auto",
     margin: int | float | str = 0,
     max_trials: int | None = None,
+    max_seconds: float | None = None,
     steps: int = 2,
     mode: str = "train",
     step_fn: Callable | None = None,
@@ -452,6 +474,8 @@ def find_max_batch_size(
     loss.backward()`` does; ``False`` models a loop whose loss call drops it (Lightning's
     ``training_step``, the Hugging Face Trainer). ``cache=True`` (or a folder) returns a
     stored answer, with zero trials, when this very search ran before (see ``ResultCache``).
+    ``max_trials`` and ``max_seconds`` bound the search: no trial starts past them, and the answer
+    is the largest size confirmed so far, with ``exact=False``.
 
     >>> import batchfit as bf
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
@@ -467,6 +491,7 @@ def find_max_batch_size(
         strategy=strategy,
         margin=margin,
         max_trials=max_trials,
+        max_seconds=max_seconds,
         steps=steps,
         trace=trace,
         cache=cache,

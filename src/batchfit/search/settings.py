@@ -37,6 +37,16 @@ def check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: in
         raise InputError(f"max_trials must be an integer of at least 1, or None, got {max_trials!r}")
 
 
+def check_seconds(max_seconds: float | None) -> None:
+    """A one-line error unless ``max_seconds`` is ``None`` or a positive number of seconds."""
+    if max_seconds is None:
+        return
+    if isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)):
+        raise InputTypeError(f"max_seconds must be a number of seconds or None, got {max_seconds!r}")
+    if not max_seconds > 0:
+        raise InputError(f"max_seconds must be above 0, got {max_seconds!r}: give the seconds a search may take")
+
+
 def margin_bytes(margin: int | float | str, capacity_bytes: int | None) -> int:
     """Headroom in bytes: an int or a size string, or a fraction of the capacity in ``[0, 1)``."""
     if isinstance(margin, bool):
@@ -72,6 +82,9 @@ class SearchSettings:
     """Headroom kept free: bytes, a size string such as ``"512MiB"``, or a fraction such as ``0.05``."""
     max_trials: int | None = None
     """Stop after this many trials (the result is then marked not ``exact``)."""
+    max_seconds: float | None = None
+    """Start no trial after this many seconds since the search began (the trace included; a trial
+    under way finishes): the answer is the largest size confirmed so far, marked not ``exact``."""
     steps: int = 2
     """Full training steps per trial; two or more include the optimizer state of a steady step."""
     trace: bool | str = "auto"
@@ -86,6 +99,7 @@ class SearchSettings:
 
     def __post_init__(self) -> None:
         check_bounds(self.min_batch_size, self.max_batch_size, self.max_trials)
+        check_seconds(self.max_seconds)
         check_steps(self.steps)
         make_strategy(self.strategy)  # an unknown name fails here, naming the strategies
         if self.trace not in (True, False, "auto") or not isinstance(self.trace, (bool, str)):
