@@ -33,8 +33,8 @@ from batchfit.step.workload import compute_loss
 
 STEPS_PER_CALL = 2  # accelerate: steps per call of the wrapped function, as in a batchfit trial
 CHECK_STEPS = 20  # the check after a search: this many real training steps at the size found
-SEED_000_MAX = 512  # seed 000's max_batch_size (binary), also grow's cap
-SEED_002_START, SEED_002_ATTEMPTS = 32, 5  # grow: the starting estimate and seed 002's max attempts
+CLASSIC_MAX = 512  # the classic bisection's max_batch_size (binary), also grow's cap
+GROW_START, GROW_ATTEMPTS = 32, 5  # grow: the starting estimate and its usual cap on attempts
 ULTRALYTICS_SIZES = (1, 2, 4, 8, 16)  # the sizes Ultralytics' autobatch profiles
 ULTRALYTICS_FRACTION = 0.60  # its default fraction of memory to aim at
 ULTRALYTICS_DEFAULT, ULTRALYTICS_SAFE_MAX = 16, 1024  # its fallback batch outside [1, 1024]
@@ -105,7 +105,7 @@ def batchfit_method(strategy: str, **options: object) -> Callable[[Case], Run]:
     def run(case: Case) -> Run:
         drain_autograd_queue()
         work, device = case.build(), bf.SimulatedDevice(case.capacity)
-        chosen = Grow(start=SEED_002_START) if strategy == "grow" else strategy
+        chosen = Grow(start=GROW_START) if strategy == "grow" else strategy
         start = time.perf_counter()
         try:
             result = bf.search_workload(work, device=device, strategy=chosen, **{"trace": False, **options})

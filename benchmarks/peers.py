@@ -33,9 +33,9 @@ from bench_workloads import CASES  # noqa: E402
 from bench_workloads import Case  # noqa: E402
 from bench_workloads import true_edges  # noqa: E402
 from peer_methods import CHECK_STEPS  # noqa: E402
-from peer_methods import SEED_000_MAX  # noqa: E402
-from peer_methods import SEED_002_ATTEMPTS  # noqa: E402
-from peer_methods import SEED_002_START  # noqa: E402
+from peer_methods import CLASSIC_MAX  # noqa: E402
+from peer_methods import GROW_ATTEMPTS  # noqa: E402
+from peer_methods import GROW_START  # noqa: E402
 from peer_methods import STEPS_PER_CALL  # noqa: E402
 from peer_methods import accelerate_method  # noqa: E402
 from peer_methods import batchfit_method  # noqa: E402
@@ -49,8 +49,8 @@ METHODS = [
     (AUTO, batchfit_method("auto", trace=True)),
     (NO_TRACE, batchfit_method("auto")),
     ("batchfit power", batchfit_method("power")),
-    ("binary (seed 000, max 512)", batchfit_method("binary", max_batch_size=SEED_000_MAX)),
-    ("grow (seed 002, 5 attempts)", batchfit_method("grow", max_batch_size=SEED_000_MAX, max_trials=SEED_002_ATTEMPTS)),
+    ("binary (max 512)", batchfit_method("binary", max_batch_size=CLASSIC_MAX)),
+    ("grow (from 32, 5 attempts)", batchfit_method("grow", max_batch_size=CLASSIC_MAX, max_trials=GROW_ATTEMPTS)),
     ("Lightning power", lightning_method("power")),
     ("Lightning binsearch", lightning_method("binsearch")),
     ("Lightning binsearch, margin 0", lightning_method("binsearch", margin=0.0)),
@@ -255,9 +255,9 @@ def main() -> None:
         "settings": {
             "check_steps": CHECK_STEPS,
             "accelerate_steps_per_call": STEPS_PER_CALL,
-            "grow_start": SEED_002_START,
-            "grow_attempts": SEED_002_ATTEMPTS,
-            "seed_000_max": SEED_000_MAX,
+            "grow_start": GROW_START,
+            "grow_attempts": GROW_ATTEMPTS,
+            "classic_max_batch_size": CLASSIC_MAX,
         },
         "oom_wording": oom_wording(),
         "cases": [

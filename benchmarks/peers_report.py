@@ -163,9 +163,9 @@ def method_notes(results: dict) -> list[str]:
         "is traced on fake tensors (`TraceDevice`), then real trials verify it and one more. Trials, OOMs and steps "
         "count real trials only; the trace's estimate and time are in the run's row, and its time is in the seconds.",
         "- **`auto, no trace`**: the same with `trace=False`. **`power`**: batchfit's doubling, then bisection.",
-        "- **`binary`**: seed 000's bisection of `[1, 512]` from the middle, run by batchfit with full training steps "
-        "(seed 000 itself skips the optimizer step). Its cap of 512 caps its answer.",
-        f"- **`grow`**: seed 002's search: start at an estimate, x1.5 up, bisect after a failure, at most "
+        "- **`binary`**: the classic bisection of `[1, 512]` from the middle, run by batchfit with full training steps "
+        "(the classic recipe skips the optimizer step). Its cap of 512 caps its answer.",
+        f"- **`grow`**: estimate-then-grow: start at an estimate, x1.5 up, bisect after a failure, at most "
         f"{results['settings']['grow_attempts']} attempts. With no rule table to estimate from, it starts at "
         f"{results['settings']['grow_start']} and is capped at 512.",
         '- **Lightning**: `Tuner(Trainer(accelerator="cpu")).scale_batch_size(module, mode=...)` with Lightning\'s '
