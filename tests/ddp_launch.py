@@ -1,4 +1,5 @@
-"""Starting torchrun from the tests: one launch shared by every two-rank check (ddp_suite.py).
+"""Starting torchrun from the tests: one launch shared by every two-rank check (ddp_suite.py),
+DDP's and FSDP2's (fsdp_agreement.py).
 
 ``ddp_output(check, tmp_path_factory)`` starts the shared launch the first time a test asks (once
 per pytest run, also under pytest-xdist), then returns the folder that ``check`` wrote to, or fails
@@ -20,7 +21,15 @@ import pytest
 from filelock import FileLock  # installed with torch
 
 # Cheapest first; Lightning last, as it owns the process group it finds for the rest of the launch.
-CHECKS = ("ddp_accumulation", "ddp_agreement", "ddp_raised_trial", "ddp_noise", "ddp_sweep", "ddp_lightning")
+CHECKS = (
+    "ddp_accumulation",
+    "ddp_agreement",
+    "ddp_raised_trial",
+    "ddp_noise",
+    "ddp_sweep",
+    "fsdp_agreement",
+    "ddp_lightning",
+)
 LAUNCH_TIMEOUT_SECONDS = 300
 
 _launched: dict[str, Path] = {}

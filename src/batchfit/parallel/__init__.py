@@ -1,0 +1,31 @@
+"""Sharded training (FSDP2) per rank, without the hardware: the world size and sharding settings,
+a fake process group of any size, models built from their configs without memory, and one rank's
+memory traced with torch's own ``fully_shard`` on fake tensors.
+
+May import ``step``, ``devices``, ``search`` and ``errors``; never ``cli`` or ``integrations``.
+transformers is imported only inside the functions that build a Hugging Face model.
+"""
+
+from __future__ import annotations
+
+from batchfit.parallel.fit import LargestBatch
+from batchfit.parallel.fit import largest_batch_size
+from batchfit.parallel.models import LLM_PRESETS
+from batchfit.parallel.models import TinyTransformer
+from batchfit.parallel.models import model_config
+from batchfit.parallel.settings import Parallelism
+from batchfit.parallel.trace import ShardedEstimate
+from batchfit.parallel.trace import trace_rank
+from batchfit.parallel.world import fake_world
+
+__all__ = [
+    "LLM_PRESETS",
+    "LargestBatch",
+    "Parallelism",
+    "ShardedEstimate",
+    "TinyTransformer",
+    "fake_world",
+    "largest_batch_size",
+    "model_config",
+    "trace_rank",
+]

@@ -1,0 +1,185 @@
+"""One rank's live bytes under FSDP2: every storage it holds, by role, on fake or real tensors.
+
+The repository's ``LiveBytes`` counts the storage of every tensor an op reads or makes, which
+misses two things FSDP2 does. A DTensor (a sharded parameter, its gradient, its optimizer state)
+is a wrapper whose own storage has the *global* size and allocates nothing; the rank holds only
+its local shard, so wrappers are opened (``__tensor_flatten__``) and their inner tensors
+counted. And FSDP2 gathers parameters into storages it grows and shrinks with
+``UntypedStorage.resize_`` (never an op a dispatch mode sees), so ``resize_`` is watched while
+``measuring()`` is active: a storage is counted at its size after each resize.
+
+Storages are rounded up like the CUDA caching allocator (512-byte blocks) and tagged with a role
+(the ``Ledger`` of ``batchfit.devices.accounting``), so the peak splits into categories.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterable
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from batchfit.devices.accounting import Ledger
+from batchfit.devices.simulated import CUDA_BLOCK_BYTES
+
+# Ops whose outputs are communication buffers: FSDP2's copy-in/chunk-cat and the collectives.
+COMMUNICATION_NAMESPACES = frozenset({"fsdp", "c10d", "_c10d_functional"})
+GATHERED_ROLE = "unsharded_parameters"  # storages grown by resize_: FSDP2's all-gather outputs
+
+
+def plain_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The plain tensors holding ``value``'s memory: itself, or a wrapper subclass's inner tensors."""
+    if not isinstance(value, torch.Tensor):
+        return
+    if is_traceable_wrapper_subclass(value):
+        names, _ = value.__tensor_flatten__()
+        for name in names:
+            yield from plain_tensors(getattr(value, name))
+    elif value.layout == torch.strided:
+        yield value
+
+
+class RankBytes:
+    """Live and peak bytes of one rank's storages, each with a role in ``ledger``.
+
+    >>> counter = RankBytes()
+    >>> ids = torch.zeros(10)
+    >>> counter.track(ids, role="batch")
+    >>> counter.live_bytes, counter.breakdown()
+    (512, {'batch': 512})
+    >>> del ids
+    >>> counter.live_bytes, counter.peak_bytes
+    (0, 512)
+    """
+
+    def __init__(self, rounding_bytes: int = CUDA_BLOCK_BYTES):
+        self.rounding_bytes = rounding_bytes
+        self.sizes: dict[int, int] = {}  # storage key -> counted bytes
+        self._refs: dict[int, weakref.ref] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.phase_peak_bytes = 0  # the peak since start_phase()
+        self.tag = "temporaries"  # the role of storages that appear without one
+        self.ledger = Ledger()
+        # A real backend's worker thread (gloo) may drop the last reference to a communication
+        # buffer, so a storage can be released on another thread while this one counts.
+        self._lock = threading.RLock()
+
+    def rounded(self, nbytes: int) -> int:
+        return -(-nbytes // self.rounding_bytes) * self.rounding_bytes
+
+    def track(self, value: Any, role: str | None = None) -> None:
+        """Count the storages under ``value`` not counted yet, with ``role`` (else the current ``tag``)."""
+        for tensor in plain_tensors(value):
+            self._track_storage(tensor.untyped_storage(), role)
+
+    def track_all(self, values: Iterable[Any], role: str) -> None:
+        for value in values:
+            self.track(value, role)
+
+    def _track_storage(self, storage: torch.UntypedStorage, role: str | None) -> None:
+        key = storage._cdata
+        if key in self.sizes:
+            return
+        exact = storage.nbytes()
+        if exact == 0:
+            return
+        nbytes = self.rounded(exact)
+        with self._lock:
+            self.sizes[key] = nbytes
+            self._refs[key] = weakref.ref(storage, lambda _ref, k=key: self._forget(k))
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.phase_peak_bytes = max(self.phase_peak_bytes, self.live_bytes)
+            self.ledger.tag = role or self.tag
+            self.ledger.created(key, nbytes)
+            self.ledger.observe(self.live_bytes, self.sizes)
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            nbytes = self.sizes.pop(key, None)
+            if nbytes is not None:
+                self.live_bytes -= nbytes
+                self._refs.pop(key, None)
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` was resized: count it anew at its new size (none when freed to 0)."""
+        self._forget(storage._cdata)
+        self._track_storage(storage, GATHERED_ROLE)
+
+    def assign(self, values: Iterable[Any], role: str) -> None:
+        """Give the live storages under ``values`` the role ``role``."""
+        keys = [t.untyped_storage()._cdata for value in values for t in plain_tensors(value)]
+        self.ledger.assign(keys, role)
+
+    def bytes_of(self, values: Iterable[Any]) -> int:
+        """Counted bytes of the live storages under ``values``, each storage once."""
+        keys = {t.untyped_storage()._cdata for value in values for t in plain_tensors(value)}
+        return sum(self.sizes.get(key, 0) for key in keys)
+
+    def role_of(self, key: int) -> str:
+        return self.ledger.roles[self.ledger.serials[key]]
+
+    def live_keys_with(self, role: str) -> list[int]:
+        return [key for key in self.sizes if self.role_of(key) == role]
+
+    def start_phase(self, phase: str) -> None:
+        """From now on storages are made in ``phase`` (the ledger's phase), whose own peak starts here."""
+        self.ledger.phase = phase
+        self.phase_peak_bytes = self.live_bytes
+
+    def restart_peak(self) -> None:
+        """Forget the peak so far: the peak and its breakdown cover only what happens from now on."""
+        old, self.ledger = self.ledger, Ledger()
+        for key, nbytes in self.sizes.items():
+            self.ledger.tag = old.roles[old.serials[key]]
+            self.ledger.created(key, nbytes)
+        self.ledger.phase = old.phase
+        self.peak_bytes = self.live_bytes
+        self.ledger.observe(self.live_bytes, self.sizes)
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes by role at the peak (they sum to ``peak_bytes``)."""
+        return self.ledger.breakdown()
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Count what every op reads and makes, and every ``UntypedStorage.resize_``, while active
+        (``resize_`` is restored on the way out)."""
+        original = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            result = original(storage, size)
+            self.resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        try:
+            with _CountingMode(self):
+                yield
+        finally:
+            torch.UntypedStorage.resize_ = original
+
+
+class _CountingMode(TorchDispatchMode):
+    def __init__(self, counter: RankBytes):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        counter = self.counter
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            counter.track(leaf)
+        out = func(*args, **kwargs)
+        role = "communication" if func.namespace in COMMUNICATION_NAMESPACES else None
+        for leaf in pytree.tree_leaves(out):
+            counter.track(leaf, role)
+        return out
