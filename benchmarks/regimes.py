@@ -13,13 +13,23 @@ run affordable. True edges: a linear scan (bench_workloads.scan_edge), read from
 benchmarks/true_edges.json where present, else from the last regimes.json, else scanned here.
 Writes benchmarks/REGIMES.md and benchmarks/regimes.json (atomically).
 
+With ``--vision`` it runs only the vision models instead (``VISION``: torchvision's resnet18 and
+mobilenet_v3_small and a timm ViT, built from code with ``weights=None`` / ``pretrained=False``),
+every one in both regimes, and writes benchmarks/REGIMES-VISION.md and regimes-vision.json; the
+edges it scans are added to true_edges.json (keyed with the torch version, as every edge there).
+torchvision cannot be installed beside this repo's torch, so that run needs a venv of its own
+with torch and torchvision that go together, timm, and this package (see REGIMES-VISION.md).
+
     make bench            # or: .venv/bin/python benchmarks/regimes.py   (needs transformers;
                           #     Lightning and accelerate are compared where importable)
+    VENV/bin/python benchmarks/regimes.py --vision    # needs torchvision; timm for the ViT
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
+import importlib
 import importlib.util
 import json
 import logging
@@ -139,6 +149,71 @@ CHEAP = [*CASES, *OUTSIDE]
 
 def case_named(label: str, capacity: str) -> Case:
     return next(case for case in CHEAP if (case.label, case.capacity) == (label, capacity))
+
+
+# -- vision models (``--vision`` only): torchvision and timm from code, random weights, no download --
+
+IMAGE_PIXELS, IMAGE_CLASSES = 64, 10  # the vision models: square RGB images of this side, classes
+
+
+def image_workload(model: nn.Module, optimizer: torch.optim.Optimizer, name: str) -> bf.Workload:
+    """``model`` on 64x64 RGB images with 10-way cross-entropy (the model is built seeded)."""
+    batch = (torch.randn(4, 3, IMAGE_PIXELS, IMAGE_PIXELS), torch.randint(0, IMAGE_CLASSES, (4,)))
+    return bf.Workload(model, batch, F.cross_entropy, optimizer, name=name)
+
+
+def tv_resnet18() -> bf.Workload:
+    """torchvision's resnet18 (``weights=None``, 10 classes) with SGD and momentum on 64x64 images."""
+    from torchvision.models import resnet18
+
+    torch.manual_seed(0)
+    model = resnet18(weights=None, num_classes=IMAGE_CLASSES)
+    return image_workload(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), "tv-resnet18")
+
+
+def tv_mobilenet_v3_small() -> bf.Workload:
+    """torchvision's mobilenet_v3_small (``weights=None``, 10 classes) with AdamW on 64x64 images."""
+    from torchvision.models import mobilenet_v3_small
+
+    torch.manual_seed(0)
+    model = mobilenet_v3_small(weights=None, num_classes=IMAGE_CLASSES)
+    return image_workload(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "tv-mobilenet-v3-small")
+
+
+def timm_vit_tiny() -> bf.Workload:
+    """timm's ViT-Tiny (width 192, 3 heads; ``pretrained=False``) cut to 4 blocks, on 64x64 images
+    in 8x8 patches (64 tokens and a class token), 10 classes, with AdamW."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=IMAGE_PIXELS,
+        patch_size=8,
+        depth=4,
+        num_classes=IMAGE_CLASSES,
+    )
+    return image_workload(model, torch.optim.AdamW(model.parameters(), lr=3e-4), "timm-vit-tiny")
+
+
+# Capacities picked so the true edges fall between about 10 and 60.
+VISION = [
+    OutsideCase("torchvision resnet18", tv_resnet18, "176MiB"),
+    OutsideCase("torchvision mobilenet_v3_small", tv_mobilenet_v3_small, "64MiB"),
+    OutsideCase("timm ViT-Tiny", timm_vit_tiny, "128MiB"),
+]
+VISION_NEEDS = {tv_resnet18: "torchvision", tv_mobilenet_v3_small: "torchvision", timm_vit_tiny: "timm"}
+
+
+def importable(module: str) -> bool:
+    """Whether ``module`` imports here (PyPI's torchvision is found beside a torch it does not
+    match, and fails only on import)."""
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
 
 
 # A second of sleep per completed step makes each case cost a minute or more: a subset with small
@@ -306,16 +381,18 @@ def methods() -> list[tuple[str, Method]]:
 # -- running ---------------------------------------------------------------------------------------
 
 
-def true_edges(cases: list[Case]) -> tuple[dict[str, int], dict[str, list[int]]]:
+def true_edges(
+    cases: list[Case], previous: Path = HERE / "regimes.json", save_scans: bool = False
+) -> tuple[dict[str, int], dict[str, list[int]]]:
     """Each case's true edge, and the cached edges that had moved (key -> [cached, now]).
 
-    A cached edge (the last regimes.json, else true_edges.json) is rechecked: it fits and one more
-    does not. Where the accounting has moved it since, it is walked one size at a time from the
-    cached value to the first failure (the peak grows with the batch: scan_edge checked that);
-    a case never scanned gets a full linear scan (bench_workloads.scan_edge).
+    A cached edge (the last results, ``previous``, else true_edges.json) is rechecked: it fits and
+    one more does not. Where the accounting has moved it since, it is walked one size at a time
+    from the cached value to the first failure (the peak grows with the batch: scan_edge checked
+    that); a case never scanned gets a full linear scan (bench_workloads.scan_edge), added to
+    true_edges.json with ``save_scans``.
     """
     known = json.loads(EDGES_PATH.read_text()) if EDGES_PATH.exists() else {}
-    previous = HERE / "regimes.json"
     if previous.exists():
         known = {**known, **json.loads(previous.read_text()).get("true_edges", {})}
     edges, moved = {}, {}
@@ -323,12 +400,22 @@ def true_edges(cases: list[Case]) -> tuple[dict[str, int], dict[str, list[int]]]
         if case.key not in known:
             print(f"linear scan for {case.key} ...", flush=True)
             edges[case.key] = scan_edge(case.build, case.capacity)
+            if save_scans:
+                save_edge(case.key, edges[case.key])
             continue
         edges[case.key] = walk_to_edge(case, known[case.key])
         if edges[case.key] != known[case.key]:
             moved[case.key] = [known[case.key], edges[case.key]]
             print(f"true edge of {case.key} moved from {known[case.key]} to {edges[case.key]}", flush=True)
     return edges, moved
+
+
+def save_edge(key: str, edge: int) -> None:
+    """Add one scanned edge to true_edges.json (read afresh, written atomically, keys sorted as
+    bench_workloads writes them)."""
+    edges = json.loads(EDGES_PATH.read_text()) if EDGES_PATH.exists() else {}
+    edges[key] = edge
+    atomic_write_text(EDGES_PATH, json.dumps(edges, indent=1, sort_keys=True) + "\n")
 
 
 def walk_to_edge(case: Case, start: int) -> int:
@@ -426,10 +513,59 @@ def warm_up() -> None:
 # -- report ----------------------------------------------------------------------------------------
 
 
-def environment(started: float) -> dict:
-    import transformers
+@dataclass(frozen=True)
+class Mode:
+    """What one run covers and where it writes: the default run, or ``--vision``'s."""
 
-    versions = {"batchfit": bf.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+    title: str
+    command: str
+    cheap: list[Case]
+    expensive: list[Case]
+    results_path: Path
+    report_path: Path
+    models: tuple[str, ...]  # the model libraries whose versions the report gives
+    cases_note: str = ""  # a paragraph on the cases, where the report needs one
+
+
+DEFAULT = Mode(
+    "# Cheap and expensive trials: every method side by side",
+    "make bench  (.venv/bin/python benchmarks/regimes.py)",
+    CHEAP,
+    EXPENSIVE,
+    HERE / "regimes.json",
+    HERE / "REGIMES.md",
+    ("transformers",),
+)
+
+
+def vision_mode() -> Mode:
+    """``--vision``: the vision cases whose library imports here, in both regimes."""
+    cases = [case for case in VISION if importable(VISION_NEEDS[case.build])]
+    if not any(case.build is not timm_vit_tiny for case in cases):
+        sys.exit("benchmarks/regimes.py --vision needs torchvision that imports beside this torch (see its docstring)")
+    return Mode(
+        "# Vision models, cheap and expensive trials: every method side by side",
+        "VENV/bin/python benchmarks/regimes.py --vision  (VENV: torch, torchvision and timm that go together)",
+        cases,
+        cases,
+        HERE / "regimes-vision.json",
+        HERE / "REGIMES-VISION.md",
+        tuple(dict.fromkeys(VISION_NEEDS[case.build] for case in cases)),
+        "Cases: models from outside the project built from code with random weights (no download), on "
+        f"{IMAGE_PIXELS}x{IMAGE_PIXELS} RGB images with {IMAGE_CLASSES}-way cross-entropy: torchvision's "
+        "`resnet18(weights=None)` with SGD and momentum, `mobilenet_v3_small(weights=None)` with AdamW, and "
+        "timm's `vit_tiny_patch16_224` (`pretrained=False`) at image size 64 in 8x8 patches, cut to 4 "
+        "blocks, with AdamW. torchvision cannot be installed beside the project's torch, so this runs in a "
+        "venv of its own: `python3 -m venv VENV && VENV/bin/pip install torch==2.14.1 torchvision==0.29.1 timm "
+        "&& VENV/bin/pip install -e '.[test,lightning,transformers]' torch==2.14.1`. Capacities are chosen so "
+        "the true edges fall between about 10 and 60.",
+    )
+
+
+def environment(started: float, mode: Mode = DEFAULT) -> dict:
+    versions = {"batchfit": bf.__version__, "torch": torch.__version__}
+    for library in mode.models:
+        versions[library] = importlib.import_module(library).__version__
     for peer in ("lightning", "accelerate"):
         if importlib.util.find_spec(peer) is not None:
             versions[peer] = __import__(peer).__version__
@@ -441,7 +577,7 @@ def environment(started: float) -> dict:
         "versions": versions,
         "torch_threads": torch.get_num_threads(),
         "git": git_state(),
-        "command": "make bench  (.venv/bin/python benchmarks/regimes.py)",
+        "command": mode.command,
     }
 
 
@@ -561,13 +697,20 @@ def moved_note(moved: dict[str, list[int]]) -> str:
     return "; it moved " + ", ".join(f"{key} from {old} to {new}" for key, (old, new) in moved.items())
 
 
-def report(results: dict) -> str:
+def expensive_note(results: dict) -> str:
+    """Which cases the expensive regime ran, as a sentence."""
+    expensive_cases = sorted({r["case"] for r in results["expensive"]["runs"]}, key=str)
+    if set(expensive_cases) == {r["case"] for r in results["cheap"]["runs"]}:
+        return "The expensive regime runs every case."
+    return f"The expensive regime runs a subset of the cases to keep the run affordable: {'; '.join(expensive_cases)}."
+
+
+def report(results: dict, mode: Mode = DEFAULT) -> str:
     names = [s["method"] for s in results["cheap"]["summary"]]
     env = results["environment"]
-    expensive_cases = sorted({r["case"] for r in results["expensive"]["runs"]}, key=str)
     return "\n".join(
         [
-            "# Cheap and expensive trials: every method side by side",
+            mode.title,
             "",
             f"Generated by `{env['command']}` on {env['date']}: {env['machine']}, load average "
             f"{env['load_average_at_start']} at the start, one torch thread; "
@@ -580,9 +723,9 @@ def report(results: dict) -> str:
             f"step_seconds={EXPENSIVE_SECONDS:g})`, every completed training step also sleeps "
             f"{EXPENSIVE_SECONDS:g} s (batchfit's trials and the peers' steps alike call `device.synchronize()` "
             "once a step has completed; a step that ends in an OOM costs nothing extra, which favours the methods "
-            "that run into many OOMs). The expensive regime runs a subset of the cases to keep the run affordable: "
-            f"{'; '.join(expensive_cases)}.",
+            f"that run into many OOMs). {expensive_note(results)}",
             "",
+            *([mode.cases_note, ""] if mode.cases_note else []),
             "Methods: `auto` with its defaults (`trace='auto'`: the trace on fake tensors first where a step is "
             "expensive, else decided after the first real trial; the trace's time is in its seconds), `auto` with `trace=False`, `power`, and `binary` and `grow` as benchmarks/peers.py runs "
             f"them (`binary` capped at {BINARY_MAX}; `grow` from {GROW_START}, at most {GROW_TRIALS} trials); the "
@@ -626,26 +769,43 @@ def report(results: dict) -> str:
     )
 
 
-def main() -> None:
+def chosen_mode(argv: list[str] | None = None) -> Mode:
+    """The run the command line asks for: the default, or ``--vision``."""
+    parser = argparse.ArgumentParser(description="Every method in cheap and expensive trials, side by side.")
+    parser.add_argument(
+        "--vision",
+        action="store_true",
+        help="run only the vision models (torchvision resnet18 and mobilenet_v3_small, a timm ViT) in both "
+        "regimes and write benchmarks/REGIMES-VISION.md; needs torchvision (and timm for the ViT)",
+    )
+    if parser.parse_args(argv).vision:
+        return vision_mode()
     if importlib.util.find_spec("transformers") is None:
         sys.exit("benchmarks/regimes.py needs transformers: pip install 'batchfit[bench]'")
-    torch.set_num_threads(1)  # timings on a shared 2-core machine: one thread is stable, two thrash
-    from transformers.utils import logging as hf_logging
+    return DEFAULT
 
-    hf_logging.set_verbosity_error()
+
+def main(argv: list[str] | None = None) -> None:
+    mode = chosen_mode(argv)
+    torch.set_num_threads(1)  # timings on a shared 2-core machine: one thread is stable, two thrash
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
     started, clock = time.time(), time.perf_counter()
-    environment_now = environment(started)
-    edges, moved = true_edges(CHEAP)
+    environment_now = environment(started, mode)
+    edges, moved = true_edges(mode.cheap, mode.results_path, save_scans=mode is not DEFAULT)
     warm_up()
     names = [name for name, _ in methods()]
     results: dict = {"environment": environment_now, "true_edges": edges, "true_edges_moved": moved}
-    for regime, cases, seconds in (("cheap", CHEAP, CHEAP_SECONDS), ("expensive", EXPENSIVE, EXPENSIVE_SECONDS)):
+    regimes = (("cheap", mode.cheap, CHEAP_SECONDS), ("expensive", mode.expensive, EXPENSIVE_SECONDS))
+    for regime, cases, seconds in regimes:
         rows = run_regime(cases, seconds, edges)
         results[regime] = {"step_seconds": seconds, "summary": summarize(rows, names), "runs": rows}
     results["benchmark_seconds"] = round(time.perf_counter() - clock, 1)
     results["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    atomic_write_text(HERE / "regimes.json", json.dumps(results, indent=1) + "\n")
-    atomic_write_text(HERE / "REGIMES.md", report(results))
+    atomic_write_text(mode.results_path, json.dumps(results, indent=1) + "\n")
+    atomic_write_text(mode.report_path, report(results, mode))
     print("\n".join(headline(results["cheap"]["summary"], results["expensive"]["summary"])))
     print("\n".join(facts(results)))
     print(f"benchmark: {results['benchmark_seconds']} s")
