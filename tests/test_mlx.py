@@ -235,7 +235,7 @@ def test_the_result_json_and_the_plan_are_shaped_like_torchs():
     mlx_result = search_workload(small(), device="mlx:2MiB", max_batch_size=200)
     torch_result = search_workload(mlp(), device="sim:8MiB", trace=False)
     mlx_dict, torch_dict = mlx_result.to_dict(), torch_result.to_dict()
-    assert set(mlx_dict) == set(torch_dict)
+    assert set(mlx_dict) == set(torch_dict) - {"lines"}  # the storages' lines: only a device counting storages
     assert {key for t in mlx_dict["trials"] for key in t} == {key for t in torch_dict["trials"] for key in t}
     plans = [
         bf.plan_batch(
