@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchfit._version import versions
+from batchfit.cli import sharded
 from batchfit.cli.common import AmpOption
 from batchfit.cli.common import CacheDir
 from batchfit.cli.common import Debug
@@ -204,9 +205,21 @@ def estimate(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the estimate as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory curve here.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the largest batch size.")] = False,
+    gpus: sharded.Gpus = None,
+    nodes: sharded.Nodes = None,
+    gpus_per_node: sharded.GpusPerNode = None,
+    fsdp: sharded.Fsdp = False,
+    hybrid_shard: sharded.HybridShard = False,
+    param_dtype: sharded.ParamDtype = None,
+    reduce_dtype: sharded.ReduceDtype = None,
+    activation_checkpointing: sharded.Checkpointing = "none",
     debug: Debug = False,
 ) -> None:
-    """Estimate memory without the hardware: the largest batch that fits on a GPU, and a breakdown."""
+    """Estimate memory without the hardware: the largest batch that fits on a GPU, and a breakdown.
+
+    An LLM preset (batchfit list-workloads) or a Hugging Face config.json is built from its config
+    on fake tensors and traced per rank: with --gpus N (or --nodes and --gpus-per-node) under
+    FSDP2, sharded by torch's own fully_shard over a fake process group."""
     from batchfit.devices.presets import preset
     from batchfit.devices.trace import TraceDevice
     from batchfit.devices.trace import tracing
@@ -216,6 +229,12 @@ def estimate(
         raise InputError("give exactly one of --gpu (e.g. --gpu a100-40gb) or --capacity (e.g. --capacity 40GiB)")
     if batch_size is not None and batch_size < 1:
         raise InputError(f"--batch-size must be a positive integer, got {batch_size}")
+    if sharded.wants_sharded(workload, gpus, nodes, fsdp, hybrid_shard):
+        world = sharded.world_size_of(gpus, nodes, gpus_per_node)
+        choices = sharded.parallelisms(world, hybrid_shard, param_dtype, reduce_dtype, activation_checkpointing)
+        check_outputs(json_path, plot)
+        sharded.estimate_sharded(workload, gpu or capacity, batch_size, seq_len, choices, json_path, quiet)
+        return
     reserve_bytes = None if reserve is None else parse_bytes(reserve, what="reserve", allow_zero=True)
     label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
     tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes)
@@ -517,9 +536,25 @@ def list_workloads(
         Framework, typer.Option(help="torch, or mlx: the MLX built-ins (find runs them).")
     ] = Framework.torch,
 ) -> None:
-    """Name the built-in workloads, one line each."""
+    """Name the built-in workloads, one line each, and the LLM shapes estimate builds from their configs."""
     for name, line in describe_builtins(framework.value).items():
         console.print(f"[bold]{name:10}[/] {line}", highlight=False)
+    if framework is Framework.torch:
+        from batchfit.parallel.models import LLM_PRESETS
+
+        console.print("LLMs built from their published configs, on fake tensors (batchfit estimate NAME --gpus N):")
+        for name in LLM_PRESETS:
+            console.print(f"[bold]{name:12}[/] {preset_line(name)}", highlight=False)
+
+
+def preset_line(name: str) -> str:
+    """What the LLM preset ``name`` is: its layers, width and vocabulary, from its config."""
+    from batchfit.parallel.models import LLM_PRESETS
+
+    config = LLM_PRESETS[name]
+    layers = config.get("num_hidden_layers", config.get("n_layer"))
+    width = config.get("hidden_size", config.get("n_embd"))
+    return f"{config['model_type']}: {layers} layers, width {width}, vocabulary {config['vocab_size']}"
 
 
 from batchfit.cli import critical  # noqa: E402, F401  (registers critical)

@@ -1,0 +1,232 @@
+"""The CLI's sharded side: the parallelism options, and ``batchfit estimate`` for a model built from its
+config (an LLM preset or a config.json), per rank, traced with torch's FSDP2 over a fake process group.
+
+Computing is in ``batchfit.parallel``; this module turns options into ``Parallelism`` settings and
+prints or writes what the traces say.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from batchfit._version import versions
+from batchfit.cli.common import console
+from batchfit.cli.report import write_json
+from batchfit.devices.units import format_bytes
+from batchfit.errors import InputError
+
+DEFAULT_SEQ_LEN = 4096  # a model from its config trains on token ids: this many per sample unless --seq-len
+
+Gpus = Annotated[
+    int | None,
+    typer.Option(help="Ranks in all (GPUs over every node): memory is traced per rank, with FSDP2 over a fake group."),
+]
+Nodes = Annotated[int | None, typer.Option(help="Nodes; with --gpus-per-node, the ranks are their product.")]
+GpusPerNode = Annotated[int | None, typer.Option(help="Ranks per node (hybrid shard splits within a node).")]
+Fsdp = Annotated[bool, typer.Option("--fsdp", help="FSDP2 full shard (the default with more than one rank).")]
+HybridShard = Annotated[
+    bool, typer.Option("--hybrid-shard", help="FSDP2 hybrid shard: split within a node, replicate across nodes.")
+]
+ParamDtype = Annotated[
+    str | None,
+    typer.Option(help="FSDP2 mixed precision: the dtype parameters are gathered and computed in, e.g. bf16."),
+]
+ReduceDtype = Annotated[
+    str | None, typer.Option(help="FSDP2 mixed precision: the dtype gradients are reduced in, e.g. fp32.")
+]
+Checkpointing = Annotated[
+    str,
+    typer.Option(help="none, full (every repeated block recomputed), or both to compare: none,full."),
+]
+
+
+def wants_sharded(workload: str, gpus: int | None, nodes: int | None, fsdp: bool, hybrid_shard: bool) -> bool:
+    """Whether ``batchfit estimate`` takes the sharded path: a model from its config, or a parallelism asked for.
+
+    >>> wants_sharded("llama-3-8b", None, None, False, False), wants_sharded("gpt-tiny", None, None, False, False)
+    (True, False)
+    """
+    from batchfit.parallel.models import LLM_PRESETS
+
+    from_config = workload in LLM_PRESETS or workload.endswith(".json")
+    return from_config or gpus is not None or nodes is not None or fsdp or hybrid_shard
+
+
+def world_size_of(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> tuple[int, int | None]:
+    """The ranks in all and per node, from ``--gpus`` and/or ``--nodes`` x ``--gpus-per-node``.
+
+    >>> world_size_of(None, 4, 8), world_size_of(16, None, 8), world_size_of(None, None, None)
+    ((32, 8), (16, 8), (1, None))
+    """
+    for flag, value in (("--gpus", gpus), ("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
+        if value is not None and value < 1:
+            raise InputError(f"{flag} must be at least 1, got {value}")
+    if nodes is not None and gpus_per_node is None:
+        raise InputError("--nodes needs --gpus-per-node (e.g. --nodes 4 --gpus-per-node 8)")
+    if nodes is not None:
+        product = nodes * gpus_per_node
+        if gpus is not None and gpus != product:
+            raise InputError(
+                f"--gpus {gpus} disagrees with --nodes {nodes} x --gpus-per-node {gpus_per_node} = {product}: give one"
+            )
+        return product, gpus_per_node
+    return (gpus if gpus is not None else gpus_per_node or 1), gpus_per_node
+
+
+def parallelisms(
+    world: tuple[int, int | None],
+    hybrid_shard: bool,
+    param_dtype: str | None,
+    reduce_dtype: str | None,
+    checkpointing: str,
+) -> list[Any]:
+    """One ``Parallelism`` per activation-checkpointing choice asked for (``"none,full"``: both)."""
+    from batchfit.parallel.settings import Parallelism
+
+    world_size, gpus_per_node = world
+    sharding = "hybrid" if hybrid_shard else ("fsdp" if world_size > 1 or param_dtype or reduce_dtype else "none")
+    choices = [choice.strip() for choice in checkpointing.split(",") if choice.strip()]
+    if not choices:
+        raise InputError("--activation-checkpointing needs none, full, or none,full")
+    return [
+        Parallelism(
+            world_size=world_size,
+            gpus_per_node=gpus_per_node,
+            sharding=sharding,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            activation_checkpointing=choice,
+        )
+        for choice in dict.fromkeys(choices)
+    ]
+
+
+def describe_parallelism(parallelism: Any) -> str:
+    """One phrase: ``"rank 0 of 8, FSDP2 full shard, bf16 compute, fp32 reduce"``."""
+    sharding = {
+        "fsdp": "FSDP2 full shard",
+        "hybrid": f"FSDP2 hybrid shard ({parallelism.gpus_per_node} per node)",
+        "none": "one process, not sharded",
+    }[parallelism.sharding]
+    parts = [f"rank {parallelism.rank} of {parallelism.world_size}", sharding]
+    if parallelism.param_dtype is not None:
+        parts.append(f"{str(parallelism.param_dtype).removeprefix('torch.')} compute")
+    if parallelism.reduce_dtype is not None:
+        parts.append(f"{str(parallelism.reduce_dtype).removeprefix('torch.')} reduce")
+    return ", ".join(parts)
+
+
+def estimate_sharded(
+    workload: str,
+    capacity: str,
+    batch_size: int | None,
+    seq_len: int | None,
+    choices: list[Any],
+    json_path: Path | None,
+    quiet: bool,
+) -> None:
+    """Per rank, for each activation-checkpointing choice: the largest micro-batch within ``capacity``
+    and the breakdown at ``batch_size`` (else at that largest size); which choice reaches ``batch_size``."""
+    from batchfit.devices.presets import is_preset
+    from batchfit.devices.presets import preset
+    from batchfit.devices.presets import usable_bytes
+    from batchfit.devices.units import parse_bytes
+    from batchfit.parallel.fit import largest_batch_size
+    from batchfit.parallel.models import model_config
+    from batchfit.parallel.trace import trace_rank
+
+    model_config(workload)  # a file that is not a model config, or an unknown name, fails here in one line
+    seq_len = seq_len or DEFAULT_SEQ_LEN
+    capacity_bytes = usable_bytes(capacity) if is_preset(capacity) else parse_bytes(capacity, what="capacity")
+    label = preset(capacity).label if is_preset(capacity) else f"a {format_bytes(capacity_bytes)} device"
+    if not quiet:
+        console.print(
+            f"batchfit estimate: [bold]{workload}[/] at sequence {seq_len}, {describe_parallelism(choices[0])}, on "
+            f"{label} ({format_bytes(capacity_bytes)} usable per rank), traced with torch's fully_shard over a fake "
+            "process group: nothing runs on a GPU.",
+            highlight=False,
+        )
+    results = []
+    for parallelism in choices:
+        with console.status(f"Tracing one rank, activation checkpointing {parallelism.activation_checkpointing}"):
+            found = largest_batch_size(workload, seq_len, capacity_bytes, parallelism=parallelism)
+            at = found.estimate
+            if batch_size is not None and batch_size != found.batch_size:
+                at = trace_rank(workload, batch_size, seq_len, parallelism=parallelism)
+        results.append((parallelism, found, at))
+    if quiet:
+        console.print(results[0][1].batch_size)
+    else:
+        _print_sharded(results, capacity_bytes, batch_size)
+    if json_path is not None:
+        write_json(json_path, _document(workload, capacity, capacity_bytes, seq_len, results))
+
+
+def _print_sharded(results: list[tuple[Any, Any, Any]], capacity_bytes: int, batch_size: int | None) -> None:
+    for parallelism, found, at in results:
+        console.print(breakdown_table(at, parallelism.activation_checkpointing))
+        console.print(
+            f"[bold green]Activation checkpointing {parallelism.activation_checkpointing}: the largest micro-batch "
+            f"per rank is {found.batch_size} x {at.seq_len} tokens ({found.traces} traces).[/]",
+            highlight=False,
+        )
+    if batch_size is not None:
+        reaching = [p.activation_checkpointing for p, _, at in results if at.peak_bytes <= capacity_bytes]
+        verdict = f"with activation checkpointing {' or '.join(reaching)}" if reaching else "with no choice asked for"
+        console.print(f"Micro-batch {batch_size} per rank fits {verdict}.", highlight=False)
+    console.print(
+        "Not traced: NCCL's buffers, the CUDA context beyond the preset's reserve, allocator fragmentation. "
+        "No GPU has checked these figures.",
+        style="dim",
+    )
+
+
+def breakdown_table(estimate: Any, checkpointing: str) -> Table:
+    """The per-rank breakdown at one micro-batch, largest part first."""
+    table = Table(
+        title=f"Per rank at micro-batch {estimate.batch_size} (activation checkpointing {checkpointing}, "
+        f"peak in {estimate.peak_phase})"
+    )
+    table.add_column("part")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    for name, nbytes in sorted(estimate.breakdown.items(), key=lambda item: -item[1]):
+        if nbytes:
+            table.add_row(name.replace("_", " "), format_bytes(nbytes), f"{nbytes / estimate.peak_bytes:.0%}")
+    table.add_row("[bold]peak[/]", f"[bold]{format_bytes(estimate.peak_bytes)}[/]", "100%")
+    return table
+
+
+def _document(
+    workload: str, capacity: str, capacity_bytes: int, seq_len: int, results: list[tuple[Any, Any, Any]]
+) -> dict[str, Any]:
+    """The JSON: the first choice's figures at the top (``peak_bytes``, ``breakdown``, ``world_size``,
+    ``largest_batch_size``, all per rank), every choice under ``choices``."""
+    _, found, at = results[0]
+    return {
+        "peak_bytes": at.peak_bytes,
+        "breakdown": dict(at.breakdown),
+        "world_size": at.world_size,
+        "largest_batch_size": found.batch_size,
+        "batch_size": at.batch_size,
+        "seq_len": seq_len,
+        "workload": {"name": workload, "options": {"seq_len": seq_len}},
+        "device": {"name": capacity, "capacity_bytes": capacity_bytes, "per_rank": True},
+        "parallelism": at.parallelism.to_dict(),
+        "choices": [
+            {
+                "activation_checkpointing": parallelism.activation_checkpointing,
+                "largest_batch_size": found.batch_size,
+                "estimate": estimate.to_dict(),
+                "search": found.to_dict(),
+            }
+            for parallelism, found, estimate in results
+        ],
+        "not_traced": ["NCCL buffers", "the CUDA context beyond the preset's reserve", "allocator fragmentation"],
+        "versions": versions(),
+    }

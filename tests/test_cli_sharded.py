@@ -1,0 +1,66 @@
+"""batchfit estimate for a model built from its config, per rank under FSDP2 (the sharded path)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchfit.parallel.models import LLM_PRESETS
+from fsdp_cases import SMALL_LLAMA
+from test_cli import invoke
+
+CAPACITY = "6MiB"  # a small Llama at sequence 64 fits a few samples per rank in this
+WANTED = 5  # a micro-batch between the largest without checkpointing and the largest with it
+
+
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("config") / "config.json"
+    path.write_text(json.dumps({**LLM_PRESETS["llama-3-8b"], **SMALL_LLAMA}))
+    return str(path)
+
+
+def test_a_config_file_at_two_ranks_writes_the_per_rank_figures_and_names_what_reaches_a_micro_batch(
+    small_llama, tmp_path
+):
+    out = tmp_path / "est.json"
+    args = ["--capacity", CAPACITY, "--gpus", "2", "--seq-len", "64", "--activation-checkpointing", "none,full"]
+    result = invoke("estimate", small_llama, *args, "--batch-size", str(WANTED), "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert "rank 0 of 2, FSDP2 full shard" in result.output and "No GPU has checked" in result.output
+    document = json.loads(out.read_text())
+    assert document["world_size"] == 2 and sum(document["breakdown"].values()) == document["peak_bytes"]
+    none, full = document["choices"]
+    assert document["largest_batch_size"] == none["largest_batch_size"] > 0
+    for choice in (none, full):  # the answer's trace fits; the trace one above does not
+        search = choice["search"]
+        assert search["estimate"]["peak_bytes"] <= search["capacity_bytes"] < search["above"]["peak_bytes"]
+        assert search["estimate"]["batch_size"] + 1 == search["above"]["batch_size"] == choice["largest_batch_size"] + 1
+        assert choice["estimate"]["batch_size"] == WANTED  # the breakdown is at the micro-batch asked for
+    # recomputing blocks frees activations: only full checkpointing reaches the micro-batch asked for
+    assert none["largest_batch_size"] < WANTED <= full["largest_batch_size"]
+    assert f"Micro-batch {WANTED} per rank fits with activation checkpointing full." in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["llama-3-8b", "--gpus", "0"], "--gpus must be at least 1, got 0"),
+        (["llama-3-8b", "--gpus", "6", "--hybrid-shard", "--gpus-per-node", "4"], "world_size 6 is not a multiple"),
+        (["llama-3-8b", "--nodes", "2"], "--nodes needs --gpus-per-node"),
+        (["llama-9b", "--gpus", "8"], "unknown model 'llama-9b': give one of llama-3-8b"),
+        (["llama-3-8b", "--activation-checkpointing", "selective"], "'selective' is not supported yet"),
+    ],
+)
+def test_bad_sharded_inputs_are_one_line(args, message):
+    result = invoke("estimate", *args, "--gpu", "h100-80gb")
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_a_file_that_is_not_a_model_config_is_one_line(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"foo": 1}')
+    result = invoke("estimate", str(path), "--gpu", "h100-80gb", "--gpus", "8")
+    assert result.exit_code == 2 and "is not a model config" in result.stderr
