@@ -73,7 +73,16 @@ def test_list_workloads_names_the_built_ins():
     result = invoke("list-workloads")
     assert result.exit_code == 0
     lines = result.output.strip().splitlines()
-    assert [line.split()[0] for line in lines] == ["gpt-tiny", "cnn-small", "mlp"]
+    assert [line.split()[0] for line in lines[:3]] == ["gpt-tiny", "cnn-small", "mlp"]
+    assert lines[3].startswith("LLMs built from their published configs")
+    assert [line.split()[0] for line in lines[4:]] == [
+        "llama-3-8b",
+        "llama-3-70b",
+        "mistral-7b",
+        "qwen2.5-7b",
+        "gpt2-xl",
+    ]
+    assert "llama: 32 layers, width 4096, vocabulary 128256" in lines[4]
 
 
 def test_find_on_a_user_file_prints_live_lines_a_table_and_the_answer(tiny, tmp_path):
