@@ -630,7 +630,7 @@ cannot run gives a one-line `TraceError` (the search then probes for real, model
 Of {layers} layer rows, {traced} trace in full and {trial_only} only in the trial (the analytic part of
 `estimate_memory`, a forward pass beside it, fails: see the row's reason); {matched} match the real peak.
 
-What the trace does for them (src/batchfit/devices/trace.py): where a step asks its data a
+What the trace does for them (src/batchfit/devices/fake_values.py, value_rules.py and undercounts.py): where a step asks its data a
 question (whether a mask is causal, whether a padding mask is left-aligned, `torch.any(var < 0)`,
 `nonzero` on the targets, a CTC target's length, the lengths a sequence is packed by), the trace
 answers it as the real step does, from real copies of the values it can know: the sample's rows,

@@ -11,6 +11,7 @@ import torch
 
 from batchfit.step.batching import batch_length
 from batchfit.step.batching import bytes_per_sample
+from batchfit.step.batching import map_tensors
 from batchfit.step.batching import resize_batch
 from batchfit.step.batching import tensor_leaves
 
@@ -134,3 +135,40 @@ def test_the_search_at_the_longest_sequence_finds_a_smaller_batch():
     direct = bf.find_max_batch_size(work.model, work.sample_batch, **kwargs)
     assert worst.batch_size < at_sample.batch_size
     assert abs(worst.batch_size - direct.batch_size) <= 1  # the same as a sample that long
+
+
+def _packed() -> torch.nn.utils.rnn.PackedSequence:
+    padded, lengths = torch.arange(24.0).reshape(3, 4, 2), torch.tensor([2, 4, 3])
+    return torch.nn.utils.rnn.pack_padded_sequence(padded, lengths, batch_first=True, enforce_sorted=False)
+
+
+def test_a_packed_sequence_is_walked_and_rebuilt_as_it_was():
+    packed = _packed()
+    leaves = tensor_leaves({"seq": packed, "tag": "a"})  # pytree would rebuild it by PackedSequence(None, ...)
+    assert [t is f for t, f in zip(leaves, packed, strict=True)] == [True, True, True, True]
+    doubled = map_tensors(lambda t: t * 2, (packed, rows(2)))[0]
+    assert type(doubled) is type(packed) and torch.equal(doubled.data, packed.data * 2)
+    assert torch.equal(doubled.unsorted_indices, packed.unsorted_indices * 2)  # every tensor field, as given
+    assert map_tensors(lambda t: None, packed) == (None, None, None, None)
+
+
+class PackedLSTM(torch.nn.Module):
+    """An LSTM over sequences of different lengths, packed: a layer's output is a PackedSequence."""
+
+    def __init__(self, seq: int = 6, width: int = 8):
+        super().__init__()
+        self.seq, self.width = seq, width
+        self.pre, self.lstm = torch.nn.Linear(4, seq * width), torch.nn.LSTM(width, 16, batch_first=True)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x).view(x.shape[0], self.seq, self.width)
+        packed = torch.nn.utils.rnn.pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False)
+        return self.lstm(packed)[0].data
+
+
+def test_a_model_whose_layer_returns_a_packed_sequence_is_estimated():
+    import batchfit as bf
+
+    batch = {"x": torch.randn(4, 4), "lengths": torch.tensor([6, 3, 5, 2])}
+    estimate = bf.estimate_memory(PackedLSTM(), batch, 8, loss_fn=lambda out, b: out.pow(2).mean(), device="1GiB")
+    assert estimate.peak_bytes > 0 and estimate.breakdown["activations"] > 0

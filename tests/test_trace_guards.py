@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import batchfit as bf
-from batchfit.devices import trace
+from batchfit.devices import undercounts
 from batchfit.devices.trace import UNDERCOUNTING_OPS
 from batchfit.devices.trace import TraceDevice
 from batchfit.devices.trace import is_users_error
@@ -104,34 +104,34 @@ def test_the_trace_makes_the_workspace_the_real_lstm_kernel_keeps():
 def test_the_workspace_formula_is_what_the_real_kernel_keeps(shape, dtype):
     steps, batch, input_size, hidden_size = shape
     try:
-        real_bytes = trace._real_workspace_bytes(*shape, dtype)
+        real_bytes = undercounts._real_workspace_bytes(*shape, dtype)
     except RuntimeError:  # a CPU without oneDNN's bf16 LSTM: the trace keeps the guard there
         pytest.skip(f"no oneDNN LSTM in {dtype} on this CPU")
     assert real_bytes == lstm_workspace_bytes(steps, batch, input_size, hidden_size, itemsize=dtype.itemsize)
 
 
 def test_a_build_whose_kernel_disagrees_with_the_formula_keeps_the_guard(monkeypatch):
-    assert trace._formula_holds.__wrapped__(torch.float32)
-    monkeypatch.setattr(trace, "_real_workspace_bytes", lambda *shape: lstm_workspace_bytes(*shape[:4]) + 4096)
-    assert not trace._formula_holds.__wrapped__(torch.float32)
+    assert undercounts._formula_holds.__wrapped__(torch.float32)
+    monkeypatch.setattr(undercounts, "_real_workspace_bytes", lambda *shape: lstm_workspace_bytes(*shape[:4]) + 4096)
+    assert not undercounts._formula_holds.__wrapped__(torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=str)
 def test_a_workspace_of_an_unmeasured_dtype_or_packed_sequence_stays_unknown(dtype):
     def arguments(dtype: torch.dtype, batch_sizes: list[int]) -> dict:
         x, cx = torch.zeros(6, 3, 8, dtype=dtype), torch.zeros(3, 16, dtype=dtype)
-        return {"input": x, "cx_": cx, "mode": trace.LSTM_MODE, "batch_sizes": batch_sizes, "hidden_size": 16}
+        return {"input": x, "cx_": cx, "mode": undercounts.LSTM_MODE, "batch_sizes": batch_sizes, "hidden_size": 16}
 
-    assert trace._lstm_workspace_of(arguments(torch.float32, [])) == lstm_workspace_bytes(6, 3, 8, 16)
-    assert trace._lstm_workspace_of(arguments(dtype, [])) is None
-    assert trace._lstm_workspace_of(arguments(torch.float32, [3, 3, 2])) is None
+    assert undercounts._lstm_workspace_of(arguments(torch.float32, [])) == lstm_workspace_bytes(6, 3, 8, 16)
+    assert undercounts._lstm_workspace_of(arguments(dtype, [])) is None
+    assert undercounts._lstm_workspace_of(arguments(torch.float32, [3, 3, 2])) is None
 
 
 def test_a_trace_for_another_device_only_records_the_workspace():
     model, batch, _ = _lstm()
     device, seen = TraceDevice("1GiB"), {}
     work = device.prepare(bf.Workload(model, batch, loss_fn=_loss))
-    with device.fake_mode, trace._UndercountWatch(seen, complete=False):
+    with device.fake_mode, undercounts.UndercountWatch(seen, complete=False):
         work.model(work.sample_batch)
     assert list(seen) == [MKLDNN_RNN]  # a GPU's kernel keeps another workspace: a lower bound
 
@@ -189,7 +189,7 @@ def test_auto_finds_the_lstm_edge_exactly_in_at_most_three_trials(caplog):
 @pytest.fixture
 def unverified(monkeypatch):
     """A torch build on which the workspace formula does not hold: the op stays under-counted."""
-    monkeypatch.setattr(trace, "_formula_holds", lambda dtype: False)
+    monkeypatch.setattr(undercounts, "_formula_holds", lambda dtype: False)
 
 
 def test_an_lstm_estimate_warns_and_gives_no_fits_verdict_it_cannot_back(unverified):
@@ -314,7 +314,8 @@ def test_an_error_raised_in_batchfits_trace_is_never_the_users():
             return error
         raise AssertionError("nothing raised")
 
-    assert not is_users_error(raise_in("/site-packages/batchfit/devices/trace.py"))
+    for module in ("trace", "trace_errors", "undercounts", "fake_values", "value_rules"):
+        assert not is_users_error(raise_in(f"/site-packages/batchfit/devices/{module}.py"))
     assert not is_users_error(raise_in("/site-packages/torch/_subclasses/fake_tensor.py"))
     assert is_users_error(raise_in("/home/user/train.py"))
     assert not is_users_error(RuntimeError("boom")) and not is_users_error(TraceError("no fake kernel"))

@@ -18,7 +18,8 @@ from torch import nn
 from torch.nn.utils import rnn as rnn_utils
 
 import batchfit as bf
-from batchfit.devices import trace
+from batchfit.devices import fake_values
+from batchfit.devices import undercounts
 from batchfit.devices.trace import TraceDevice
 from batchfit.errors import TraceError
 from batchfit.search.estimate import estimate_workload
@@ -202,8 +203,8 @@ class Packed(nn.Module):
 
 
 def test_a_packed_sequence_has_the_rows_its_lengths_sum_to():
-    # the trial; estimate_memory's analytic part cannot read a PackedSequence output yet
-    _assert_matches(Packed(), _features(lengths=torch.tensor([12, 7, 9, 3])), analytic=False)
+    # the trial, and estimate_memory's analytic part beside it
+    _assert_matches(Packed(), _features(lengths=torch.tensor([12, 7, 9, 3])))
 
 
 @pytest.mark.parametrize(
@@ -217,7 +218,7 @@ def test_col2im_keeps_a_storage_of_its_input_size(layer, shape):
 
 
 def test_col2im_formula_is_checked_against_this_build():
-    assert trace._col2im_formula_holds.__wrapped__()
+    assert undercounts._col2im_formula_holds.__wrapped__()
 
 
 def test_a_data_question_on_the_parameters_is_a_one_line_reason_to_fall_back():
@@ -240,7 +241,7 @@ def test_a_data_question_on_the_parameters_is_a_one_line_reason_to_fall_back():
 
 
 def test_values_past_the_kept_size_are_a_one_line_reason_and_the_search_probes_for_real(monkeypatch, caplog):
-    monkeypatch.setattr(trace, "SHADOW_MAX_BYTES", 0)  # nothing kept: the causal check cannot be answered
+    monkeypatch.setattr(fake_values, "SHADOW_MAX_BYTES", 0)  # nothing kept: the causal check cannot be answered
     model, batch = Encoder(causal="forward"), _tokens()
     with pytest.raises(TraceError) as raised:
         estimate_workload(_workload(model, batch), BATCH, analytic=False)
@@ -282,13 +283,13 @@ def test_the_values_kept_stay_within_their_budget(monkeypatch):
             return self.lin(x) + sum(part.sum() for part in parts) + torch.empty(x.shape[0], 4096).shape[0]
 
     kept: list[int] = []
-    add = trace._Shadows.add
+    add = fake_values._Shadows.add
 
     def watched(self, fake, real):
         add(self, fake, real)
         kept.append(self.kept_bytes)
 
-    monkeypatch.setattr(trace, "SHADOW_BUDGET_BYTES", 2**19)
-    monkeypatch.setattr(trace._Shadows, "add", watched)
+    monkeypatch.setattr(fake_values, "SHADOW_BUDGET_BYTES", 2**19)
+    monkeypatch.setattr(fake_values._Shadows, "add", watched)
     estimate_workload(_workload(Zeros(), _features()), BATCH, analytic=False)
     assert kept and max(kept) <= 2**19

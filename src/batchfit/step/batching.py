@@ -2,7 +2,8 @@
 
 Containers known to ``torch.utils._pytree`` (tuple, list, dict, namedtuple, ...) are walked by
 it; dataclasses and other mappings (Hugging Face ``BatchEncoding``, ``UserDict``) are rebuilt
-here because pytree does not know them unless registered.
+here because pytree does not know them unless registered, and so is a ``PackedSequence`` (a
+namedtuple whose constructor refuses to be rebuilt field by field, see ``_rebuild_packed``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
 from batchfit.errors import InputError
@@ -25,6 +27,11 @@ def _is_unregistered_container(obj: Any) -> bool:
     return is_dataclass_instance or isinstance(obj, Mapping)
 
 
+def _is_leaf(node: Any) -> bool:
+    """What ``map_tensors`` visits itself rather than through pytree."""
+    return isinstance(node, (torch.Tensor, PackedSequence)) or _is_unregistered_container(node)
+
+
 def _rebuild_mapping(original: Mapping, items: dict) -> Any:
     try:
         return type(original)(items)
@@ -32,12 +39,27 @@ def _rebuild_mapping(original: Mapping, items: dict) -> Any:
         return items
 
 
+def _rebuild_packed(packed: PackedSequence, fn: Callable[[torch.Tensor], Any]) -> PackedSequence:
+    """``packed`` with ``fn`` applied to each of its tensors. Rebuilt by ``_make``, which skips
+    ``PackedSequence.__new__``: pytree rebuilds a namedtuple through its constructor, which raises
+    unless ``batch_sizes`` comes back a CPU tensor (not so when ``fn`` returns ``None``, a size or a
+    tensor on a GPU)."""
+    return type(packed)._make(fn(field) if isinstance(field, torch.Tensor) else field for field in packed)
+
+
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
-    """Apply ``fn`` to every tensor leaf of ``batch``, keeping its structure and other leaves."""
+    """Apply ``fn`` to every tensor leaf of ``batch``, keeping its structure and other leaves.
+
+    >>> packed = torch.nn.utils.rnn.pack_sequence([torch.ones(3), torch.ones(2)])
+    >>> map_tensors(lambda t: t.shape[0], {"seq": packed})["seq"]
+    PackedSequence(data=5, batch_sizes=3, sorted_indices=None, unsorted_indices=None)
+    """
 
     def visit(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
             return fn(node)
+        if isinstance(node, PackedSequence):
+            return _rebuild_packed(node, fn)
         if isinstance(node, Mapping):
             return _rebuild_mapping(node, {key: map_tensors(fn, value) for key, value in node.items()})
         if dataclasses.is_dataclass(node) and not isinstance(node, type):
@@ -45,8 +67,7 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
             return dataclasses.replace(node, **changes)
         return node
 
-    is_leaf = lambda node: isinstance(node, torch.Tensor) or _is_unregistered_container(node)  # noqa: E731
-    return pytree.tree_map(visit, batch, is_leaf=is_leaf)
+    return pytree.tree_map(visit, batch, is_leaf=_is_leaf)
 
 
 def tensor_leaves(batch: Any) -> list[torch.Tensor]:
