@@ -64,3 +64,27 @@ def test_a_file_that_is_not_a_model_config_is_one_line(tmp_path):
     path.write_text('{"foo": 1}')
     result = invoke("estimate", str(path), "--gpu", "h100-80gb", "--gpus", "8")
     assert result.exit_code == 2 and "is not a model config" in result.stderr
+
+
+def test_a_sharded_plan_takes_the_micro_batch_per_rank_and_advises_checkpointing(small_llama, tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["--gpu", CAPACITY, "--nodes", "2", "--gpus-per-node", "2", "--seq-len", "64"]
+    result = invoke("plan", small_llama, *args, "--global-batch-tokens", "8K", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    document = json.loads(out.read_text())
+    config, sharding = document["batch_configuration"], document["sharding"]
+    none, full = sharding["per_rank"]
+    assert sharding["activation_checkpointing"] == "none" and sharding["parallelism"]["world_size"] == 4
+    assert config["per_gpu_batch_size"] <= none["largest_batch_size"] < full["largest_batch_size"]
+    assert config["devices"] == 4 and config["total_batch_tokens"] == 8192 == 2**13  # 8K tokens, as papers count
+    steps = config["gradient_accumulation_steps"]
+    assert config["per_gpu_batch_size"] * steps * 4 * 64 == 8192 and steps > 1
+    assert "With the window's gradient shards held" in result.output  # measured again for accumulation
+    assert any(advice.startswith("activation checkpointing full fits") for advice in document["advice"])
+
+
+def test_a_sharded_plan_needs_a_gpu_preset_or_size():
+    result = invoke("plan", "llama-3-8b", "--gpus", "8", "--global-batch-tokens", "4M")
+    assert result.exit_code == 2 and "give --gpu (e.g. --gpu h100-80gb)" in result.stderr
+    result = invoke("plan", "llama-3-8b", "--gpus", "8", "--gpu", "h200-9000")
+    assert result.exit_code == 2 and "neither a GPU preset" in result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -416,7 +417,8 @@ def plan(
     micro_batch_size: Annotated[int | None, typer.Option(help="The largest micro-batch that fits, if known.")] = None,
     global_batch_size: Annotated[int | None, typer.Option(help="Target global batch in samples.")] = None,
     global_batch_tokens: Annotated[
-        int | None, typer.Option(help="Target global batch in tokens (with --seq-len).")
+        str | None,
+        typer.Option(help="Target global batch in tokens (with --seq-len): a count, or 4M for 4 x 2**20."),
     ] = None,
     seq_len: Annotated[int | None, typer.Option(help="Tokens per sample.")] = None,
     devices: Annotated[
@@ -450,32 +452,36 @@ def plan(
     ] = "0",
     keep_output: KeepOutput = True,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write BatchPlan.to_dict() here.")] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option(help="Per rank, for a model built from its config: a GPU preset (h100-80gb) or a size (80GiB)."),
+    ] = None,
+    gpus: sharded.Gpus = None,
+    nodes: sharded.Nodes = None,
+    gpus_per_node: sharded.GpusPerNode = None,
+    fsdp: sharded.Fsdp = False,
+    hybrid_shard: sharded.HybridShard = False,
+    param_dtype: sharded.ParamDtype = None,
+    reduce_dtype: sharded.ReduceDtype = None,
+    activation_checkpointing: sharded.Checkpointing = "none,full",
     debug: Debug = False,
 ) -> None:
     """Plan micro-batch, accumulation, learning rate and warmup for a global batch on N devices.
 
     With WORKLOAD the micro-batch is measured; when the plan accumulates, it is measured again with
     the window's gradients held through forward and backward (as a later micro-batch runs), and
-    the plan uses that answer."""
+    the plan uses that answer. An LLM preset or a config.json with --gpu and --gpus N (or --nodes
+    and --gpus-per-node) is traced per rank under FSDP2 for each activation-checkpointing choice."""
     from batchfit.planning.plan import plan_batch
 
     if workload is not None and micro_batch_size is not None:
         raise InputError("give either --micro-batch-size N or a WORKLOAD to measure it on, not both")
     check_outputs(json_path)
     settings = SearchSettings(margin=parse_margin(margin))  # checked before any work
-    work = dev = None
-    if workload is not None:
-        work = with_loop(load_workload(workload, framework=None, seq_len=seq_len, only_accepted=True), keep_output)
-        dev = device_for(work, device)
-        micro_batch_size = _measure_micro_batch(work, dev, settings, accumulating=False)
-    if micro_batch_size is None:
-        raise InputError("give --micro-batch-size N, or a WORKLOAD to measure it on")
     planning = functools.partial(
         plan_batch,
         global_batch_size=global_batch_size,
-        global_batch_tokens=global_batch_tokens,
-        seq_len=seq_len,
-        devices=devices,
+        global_batch_tokens=sharded.parse_tokens(global_batch_tokens),
         base_lr=base_lr,
         base_batch_size=base_batch_size,
         lr_scaling=lr_scaling.value,
@@ -487,6 +493,21 @@ def plan(
         goal=goal.value if goal else None,
         model_family=model_family,
     )
+    if workload is not None and sharded.wants_sharded(workload, gpus, nodes, fsdp, hybrid_shard):
+        world = sharded.world_size_of(gpus, nodes, gpus_per_node)
+        if devices is not None and devices != world[0]:
+            raise InputError(f"--devices {devices} disagrees with the {world[0]} ranks of --gpus/--nodes: give one")
+        choices = sharded.parallelisms(world, hybrid_shard, param_dtype, reduce_dtype, activation_checkpointing)
+        _plan_sharded(planning, workload, gpu, seq_len or sharded.DEFAULT_SEQ_LEN, choices, json_path)
+        return
+    planning = functools.partial(planning, seq_len=seq_len, devices=devices)
+    work = dev = None
+    if workload is not None:
+        work = with_loop(load_workload(workload, framework=None, seq_len=seq_len, only_accepted=True), keep_output)
+        dev = device_for(work, device)
+        micro_batch_size = _measure_micro_batch(work, dev, settings, accumulating=False)
+    if micro_batch_size is None:
+        raise InputError("give --micro-batch-size N, or a WORKLOAD to measure it on")
     result = planning(micro_batch_size=micro_batch_size)
     # Later micro-batches of a window hold the gradients: measured so for torch workloads (MLX measures one step).
     if isinstance(work, Workload) and result.gradient_accumulation_steps > 1:
@@ -495,6 +516,26 @@ def plan(
     _print_plan(result)
     if json_path is not None:
         write_json(json_path, result.to_dict())
+
+
+def _plan_sharded(
+    planning: Callable[..., Any], workload: str, gpu: str | None, seq_len: int, choices: list[Any], json_path: Any
+) -> None:
+    """The plan for a model built from its config: the micro-batch per rank traced under FSDP2 for
+    each activation-checkpointing choice, the plan on the choice ``choose_checkpointing`` takes."""
+    if gpu is None:
+        raise InputError("a sharded plan traces one rank on a GPU preset: give --gpu (e.g. --gpu h100-80gb)")
+    found = sharded.measure_per_rank(workload, gpu, seq_len, choices)
+    chosen, largest = sharded.choose_checkpointing(found, seq_len, gpu)
+    result = planning(micro_batch_size=largest.batch_size, seq_len=seq_len, devices=choices[0].world_size)
+    if result.gradient_accumulation_steps > 1:  # a later micro-batch runs with the window's sharded gradients
+        held = sharded.with_gradients_held(workload, gpu, seq_len, chosen, largest)
+        result = planning(micro_batch_size=held, seq_len=seq_len, devices=choices[0].world_size)
+    result = dataclasses.replace(result, advice=result.advice + sharded.checkpointing_advice(found, chosen, result))
+    console.print(f"Planned with activation checkpointing {chosen.activation_checkpointing}.", highlight=False)
+    _print_plan(result)
+    if json_path is not None:
+        write_json(json_path, sharded.plan_document(result, found, chosen, gpu))
 
 
 def _measure_micro_batch(work: Any, dev: Any, settings: SearchSettings, *, accumulating: bool) -> int:

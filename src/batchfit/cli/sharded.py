@@ -45,6 +45,29 @@ Checkpointing = Annotated[
 ]
 
 
+def capacity_of(capacity: str) -> tuple[int, str]:
+    """The usable bytes per rank and a label, from a GPU preset (``h100-80gb``) or a size (``80GiB``).
+
+    >>> capacity_of("64MiB")
+    (67108864, 'a 64.0 MiB device')
+    """
+    from batchfit.devices.presets import ACCELERATORS
+    from batchfit.devices.presets import is_preset
+    from batchfit.devices.presets import preset
+    from batchfit.devices.presets import usable_bytes
+    from batchfit.devices.units import parse_bytes
+
+    if is_preset(capacity):
+        return usable_bytes(capacity), preset(capacity).label
+    try:
+        capacity_bytes = parse_bytes(capacity, what="capacity")
+    except InputError:
+        raise InputError(
+            f"{capacity!r} is neither a GPU preset ({', '.join(sorted(ACCELERATORS))}) nor a size such as 80GiB"
+        ) from None
+    return capacity_bytes, f"a {format_bytes(capacity_bytes)} device"
+
+
 def wants_sharded(workload: str, gpus: int | None, nodes: int | None, fsdp: bool, hybrid_shard: bool) -> bool:
     """Whether ``batchfit estimate`` takes the sharded path: a model from its config, or a parallelism asked for.
 
@@ -132,18 +155,13 @@ def estimate_sharded(
 ) -> None:
     """Per rank, for each activation-checkpointing choice: the largest micro-batch within ``capacity``
     and the breakdown at ``batch_size`` (else at that largest size); which choice reaches ``batch_size``."""
-    from batchfit.devices.presets import is_preset
-    from batchfit.devices.presets import preset
-    from batchfit.devices.presets import usable_bytes
-    from batchfit.devices.units import parse_bytes
     from batchfit.parallel.fit import largest_batch_size
     from batchfit.parallel.models import model_config
     from batchfit.parallel.trace import trace_rank
 
     model_config(workload)  # a file that is not a model config, or an unknown name, fails here in one line
     seq_len = seq_len or DEFAULT_SEQ_LEN
-    capacity_bytes = usable_bytes(capacity) if is_preset(capacity) else parse_bytes(capacity, what="capacity")
-    label = preset(capacity).label if is_preset(capacity) else f"a {format_bytes(capacity_bytes)} device"
+    capacity_bytes, label = capacity_of(capacity)
     if not quiet:
         console.print(
             f"batchfit estimate: [bold]{workload}[/] at sequence {seq_len}, {describe_parallelism(choices[0])}, on "
@@ -230,3 +248,120 @@ def _document(
         "not_traced": ["NCCL buffers", "the CUDA context beyond the preset's reserve", "allocator fragmentation"],
         "versions": versions(),
     }
+
+
+def parse_tokens(text: str | None) -> int | None:
+    """A token count: an integer, or with K, M or G for 2**10, 2**20, 2**30, as LLM papers count
+    batches (Llama 3's "4M tokens" is 1,024 sequences of 4,096).
+
+    >>> parse_tokens("4M"), parse_tokens("32768"), parse_tokens(None)
+    (4194304, 32768, None)
+    """
+    if text is None:
+        return None
+    cleaned = text.strip().upper().replace("_", "").replace(",", "")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(cleaned[-1:], 1)
+    digits = cleaned[:-1] if scale > 1 else cleaned
+    try:
+        tokens = round(float(digits) * scale)
+    except ValueError:
+        raise InputError(f"--global-batch-tokens must be a count such as 32768 or 4M, got {text!r}") from None
+    if tokens < 1:
+        raise InputError(f"--global-batch-tokens must be at least 1, got {text!r}")
+    return tokens
+
+
+def measure_per_rank(workload: str, capacity: str, seq_len: int, choices: list[Any]) -> list[tuple[Any, Any]]:
+    """The largest micro-batch per rank within ``capacity`` for each parallelism in ``choices``."""
+    from batchfit.parallel.fit import largest_batch_size
+    from batchfit.parallel.models import model_config
+
+    model_config(workload)  # an unknown name or a file that is not a model config fails here in one line
+    capacity_bytes, _ = capacity_of(capacity)
+    found = []
+    for parallelism in choices:
+        with console.status(f"Tracing one rank, activation checkpointing {parallelism.activation_checkpointing}"):
+            found.append((parallelism, largest_batch_size(workload, seq_len, capacity_bytes, parallelism=parallelism)))
+        console.print(
+            f"Traced {describe_parallelism(parallelism)}, activation checkpointing "
+            f"{parallelism.activation_checkpointing}: the largest micro-batch per rank is {found[-1][1].batch_size}.",
+            highlight=False,
+        )
+    return found
+
+
+def choose_checkpointing(found: list[tuple[Any, Any]], seq_len: int, capacity: str) -> tuple[Any, Any]:
+    """The choice a plan uses: no activation checkpointing where a micro-batch of 1 fits without it
+    (recomputing every block costs about a third more compute per step), else the choice that fits
+    the most; a one-line error when none fits even 1."""
+    fitting = [(parallelism, largest) for parallelism, largest in found if largest.batch_size >= 1]
+    if not fitting:
+        tried = ", ".join(parallelism.activation_checkpointing for parallelism, _ in found)
+        raise InputError(
+            f"not even micro-batch 1 x {seq_len} tokens fits per rank on {capacity} (activation checkpointing "
+            f"{tried}): use more ranks, --activation-checkpointing full, a shorter --seq-len or --param-dtype bf16"
+        )
+    plain = [item for item in fitting if item[0].activation_checkpointing == "none"]
+    return plain[0] if plain else max(fitting, key=lambda item: item[1].batch_size)
+
+
+def checkpointing_advice(found: list[tuple[Any, Any]], chosen: Any, plan: Any) -> list[str]:
+    """Advice where another checkpointing choice would need fewer accumulation steps."""
+    per_rank = -(-plan.target_samples // plan.devices)  # samples each rank must see per optimizer step
+    advice = []
+    for parallelism, largest in found:
+        if parallelism is chosen or largest.batch_size <= plan.micro_batch_size:
+            continue
+        steps = -(-per_rank // largest.batch_size)
+        if steps < plan.gradient_accumulation_steps:
+            advice.append(
+                f"activation checkpointing {parallelism.activation_checkpointing} fits {largest.batch_size} per rank: "
+                f"{steps} accumulation step(s) instead of {plan.gradient_accumulation_steps}, for about a third more "
+                "compute per step (every block's forward runs again in backward)"
+            )
+    return advice
+
+
+def plan_document(plan: Any, found: list[tuple[Any, Any]], chosen: Any, capacity: str) -> dict[str, Any]:
+    """The plan's JSON with the sharded part: the parallelism, the chosen checkpointing, and per choice
+    the largest micro-batch per rank and the breakdown at it."""
+    document = plan.to_dict()
+    document["sharding"] = {
+        "parallelism": chosen.to_dict(),
+        "activation_checkpointing": chosen.activation_checkpointing,
+        "device": capacity,
+        "per_rank": [
+            {
+                "activation_checkpointing": parallelism.activation_checkpointing,
+                "largest_batch_size": largest.batch_size,
+                "peak_bytes": largest.estimate.peak_bytes,
+                "breakdown": dict(largest.estimate.breakdown),
+            }
+            for parallelism, largest in found
+        ],
+        "not_traced": ["NCCL buffers", "the CUDA context beyond the preset's reserve", "allocator fragmentation"],
+    }
+    return document
+
+
+def with_gradients_held(workload: str, capacity: str, seq_len: int, parallelism: Any, largest: Any) -> int:
+    """The largest micro-batch per rank when the accumulation window's gradients are alive through
+    a later micro-batch: FSDP2 keeps each rank's reduced gradient shards from one micro-batch to the
+    next, so the capacity left is smaller by their bytes (``state_bytes["gradients"]`` of the trace)."""
+    from batchfit.parallel.fit import largest_batch_size
+
+    gradients = largest.estimate.state_bytes.get("gradients", 0)
+    capacity_bytes, _ = capacity_of(capacity)
+    with console.status("Tracing again with the accumulation window's gradients held"):
+        held = largest_batch_size(workload, seq_len, capacity_bytes - gradients, parallelism=parallelism)
+    console.print(
+        f"With the window's gradient shards held ({format_bytes(gradients)} per rank), the largest micro-batch "
+        f"per rank is {held.batch_size}.",
+        highlight=False,
+    )
+    if held.batch_size < 1:
+        raise InputError(
+            f"micro-batch 1 fits per rank, but not with the accumulation window's gradients held "
+            f"({format_bytes(gradients)}): use more ranks or --activation-checkpointing full"
+        )
+    return held.batch_size
