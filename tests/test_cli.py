@@ -7,6 +7,7 @@ import struct
 import sys
 import textwrap
 from importlib import resources
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -194,6 +195,17 @@ def test_errors_are_one_line_on_stderr_with_exit_code_2(args, message):
     assert message in result.stderr
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert "Traceback" not in result.output
+
+
+def test_a_module_in_the_current_folder_loads_as_python_m_would(tiny, tmp_path, monkeypatch):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "mywork.py").write_text(Path(tiny.split(":")[0]).read_text())
+    monkeypatch.chdir(folder)
+    before = list(sys.path)
+    result = invoke("find", "mywork:make", "--device", "sim:300KiB", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert int(result.output.split()[-1]) > 0 and sys.path == before  # the folder was on sys.path only to import
 
 
 def test_a_function_returning_the_wrong_type(tiny):

@@ -277,3 +277,12 @@ def test_a_search_traces_first_only_with_auto_trace_a_known_memory_and_a_real_de
     assert not traces_first(work, default, bf.TraceDevice("1MiB"), 1 << 20)  # already fake tensors
     assert not traces_first(work, default.replace(trace=False), sim, 1 << 20)
     assert not traces_first(work, default.replace(strategy="binary"), sim, 1 << 20)
+
+
+def test_max_seconds_starts_no_trial_predicted_to_end_past_the_budget():
+    case = CASES[0]
+    device = bf.SimulatedDevice(case.capacity, step_seconds=0.2)  # trials at 2 and 3: about 0.4 s each
+    result = bf.search_workload(case.build(), device=device, trace=False, max_seconds=2.0)
+    # 2 and 3 fit in about 0.8 s; the edge's trial, predicted at 0.4 s x edge / 3 > 1.2 s left, is not started
+    assert [t.batch_size for t in result.trials] == [2, 3] and result.extra["stopped_by"] == "max_seconds"
+    assert result.seconds < 2.0

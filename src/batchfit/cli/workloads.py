@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +76,22 @@ def _load_file(path: Path) -> Any:
     return module
 
 
+@contextlib.contextmanager
+def _current_folder_importable() -> Iterator[None]:
+    """The current folder first on ``sys.path`` while a module is imported, as ``python -m`` has it
+    (the ``batchfit`` script alone would not find ``mypkg.workloads`` in the folder it runs in)."""
+    folder = os.getcwd()
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        sys.path.remove(folder)
+
+
 def _load_module(name: str) -> Any:
     try:
-        return importlib.import_module(name)
+        with _current_folder_importable():
+            return importlib.import_module(name)
     except ModuleNotFoundError as error:
         if error.name and name.startswith(error.name):
             raise InputError(

@@ -307,7 +307,7 @@ def _run_trials(
             batch_size = plan.strategy.next(trials, space)
             if batch_size is None:
                 break
-            limit = _limit_reached(plan, len(trials), start)
+            limit = _limit_reached(plan, trials, batch_size, start)
             if limit is not None:
                 reported["stopped_by"] = limit
                 break
@@ -323,19 +323,35 @@ def _run_trials(
     return trials, space, reported
 
 
-def _limit_reached(plan: _Plan, done: int, start: float | None) -> str | None:
-    """``"max_trials"`` or ``"max_seconds"`` when that limit forbids another trial, else ``None``;
-    ranks that agree stop together (each rank's clock differs)."""
+def _limit_reached(plan: _Plan, trials: list[Trial], batch_size: int, start: float | None) -> str | None:
+    """``"max_trials"`` or ``"max_seconds"`` when that limit forbids the trial at ``batch_size``,
+    else ``None``: no trial starts that would end past ``max_seconds``, as predicted from the
+    largest trial that fitted (its seconds per sample); ranks that agree stop together."""
     s = plan.settings
     limit = None
-    if s.max_trials is not None and done >= s.max_trials:
+    if s.max_trials is not None and len(trials) >= s.max_trials:
         limit = "max_trials"
-    elif s.max_seconds is not None and start is not None and time.perf_counter() - start >= s.max_seconds:
+    elif s.max_seconds is not None and start is not None and _ends_past(s.max_seconds, start, trials, batch_size):
         limit = "max_seconds"
     if plan.agreeing and s.max_seconds is not None:
         stops = distributed.agree_min(0 if limit else 1) == 0  # one rank out of time stops them all
         limit = (limit or "max_seconds") if stops else None
     return limit
+
+
+def _ends_past(max_seconds: float, start: float, trials: list[Trial], batch_size: int) -> bool:
+    """Whether a trial at ``batch_size``, started now, would end past ``max_seconds`` from ``start``."""
+    return time.perf_counter() - start + _predicted_seconds(trials, batch_size) >= max_seconds
+
+
+def _predicted_seconds(trials: list[Trial], batch_size: int) -> float:
+    """What a trial at ``batch_size`` will take, at the largest fitted trial's seconds per sample
+    (0 before any trial fitted: the first trial always runs if the budget has time left)."""
+    fitted = [t for t in trials if t.fits]
+    if not fitted:
+        return 0.0
+    largest = max(fitted, key=lambda t: t.batch_size)
+    return largest.seconds * batch_size / largest.batch_size
 
 
 def _choose_after_first(plan: _Plan, workload: Any, first: Trial, reported: dict[str, Any]) -> _Plan:
@@ -474,8 +490,9 @@ def find_max_batch_size(
     loss.backward()`` does; ``False`` models a loop whose loss call drops it (Lightning's
     ``training_step``, the Hugging Face Trainer). ``cache=True`` (or a folder) returns a
     stored answer, with zero trials, when this very search ran before (see ``ResultCache``).
-    ``max_trials`` and ``max_seconds`` bound the search: no trial starts past them, and the answer
-    is the largest size confirmed so far, with ``exact=False``.
+    ``max_trials`` and ``max_seconds`` bound the search: no trial starts past them (nor one
+    predicted to end past ``max_seconds``), and the answer is the largest size confirmed so far,
+    with ``exact=False``.
 
     >>> import batchfit as bf
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))

@@ -83,8 +83,9 @@ class SearchSettings:
     max_trials: int | None = None
     """Stop after this many trials (the result is then marked not ``exact``)."""
     max_seconds: float | None = None
-    """Start no trial after this many seconds since the search began (the trace included; a trial
-    under way finishes): the answer is the largest size confirmed so far, marked not ``exact``."""
+    """Start no trial after this many seconds since the search began (the trace included), nor one
+    predicted to end past them (at the largest fitted trial's seconds per sample): the answer is
+    the largest size confirmed so far, marked not ``exact``."""
     steps: int = 2
     """Full training steps per trial; two or more include the optimizer state of a steady step."""
     trace: bool | str = "auto"
