@@ -36,6 +36,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/search_strategies.py
 	$(BIN)/python benchmarks/trace_cost.py
+	$(BIN)/python benchmarks/nn_layers_trace.py
 	$(BIN)/python benchmarks/microbatch_overhead.py
 	$(BIN)/python benchmarks/sweep_trials.py
 	$(BIN)/python benchmarks/peers.py
