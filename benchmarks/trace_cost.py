@@ -42,6 +42,7 @@ from batchfit.search.files import atomic_write_text
 from batchfit.search.prober import Prober
 from batchfit.search.runner import trace_estimate
 
+OTHER_SECTIONS = "## torch.nn layers on the trace"  # written by nn_layers_trace.py
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 from hf_models import Size  # noqa: E402
@@ -305,8 +306,15 @@ def main() -> None:
         a100_sentence,
         "",
     ]
-    atomic_write_text(HERE / "TRACE.md", "\n".join(lines))
+    atomic_write_text(HERE / "TRACE.md", "\n".join(lines) + kept_sections(HERE / "TRACE.md"))
     print("\n".join(lines))
+
+
+def kept_sections(path: Path) -> str:
+    """The sections other scripts write into TRACE.md (from ``OTHER_SECTIONS`` on), kept as they are."""
+    text = path.read_text() if path.exists() else ""
+    start = text.find(OTHER_SECTIONS)
+    return "\n" + text[start:] if start >= 0 else ""
 
 
 if __name__ == "__main__":
