@@ -1,5 +1,5 @@
 """Starting torchrun from the tests: one launch shared by every two-rank check (ddp_suite.py),
-DDP's and FSDP2's (fsdp_agreement.py).
+DDP's and FSDP2's (fsdp_agreement.py, fsdp_find.py).
 
 ``ddp_output(check, tmp_path_factory)`` starts the shared launch the first time a test asks (once
 per pytest run, also under pytest-xdist), then returns the folder that ``check`` wrote to, or fails
@@ -28,6 +28,7 @@ CHECKS = (
     "ddp_noise",
     "ddp_sweep",
     "fsdp_agreement",
+    "fsdp_find",
     "ddp_lightning",
 )
 LAUNCH_TIMEOUT_SECONDS = 300

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -219,3 +221,119 @@ def test_a_simulated_capacity_the_host_cannot_give_is_refused_before_any_trial(m
     assert bf.probe_batch_size(model, batch, 4, loss_fn=torch.nn.functional.cross_entropy, device="sim:512MiB").fits
     estimate = bf.estimate_memory(model, batch, 4, loss_fn=torch.nn.functional.cross_entropy, device="sim:2GiB")
     assert estimate.fits
+
+
+# -- sharded models (FSDP2): DTensors and UntypedStorage.resize_ ---------------------------------
+
+
+def _sharded_weight():
+    """A 64x64 fp32 weight (16 KiB) sharded over a fake world of 2 ranks: 8 KiB on this rank."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from batchfit.parallel.settings import Parallelism
+    from batchfit.parallel.world import fake_world
+
+    world = fake_world(Parallelism(world_size=2))
+    mesh = world.__enter__()
+    return world, distribute_tensor(torch.zeros(64, 64), mesh, [Shard(0)])
+
+
+def test_a_dtensor_counts_its_local_shard_not_its_global_size():
+    world, weight = _sharded_weight()
+    try:
+        assert weight.untyped_storage().nbytes() == 16384  # the wrapper's: global, allocates nothing
+        counter = LiveBytes(rounding_bytes=1)
+        counter.track_all([weight])
+        assert counter.live_bytes == 8192
+        with counter.mode():
+            doubled = weight * 2  # a DTensor too: its local result counts
+            assert counter.live_bytes == 2 * 8192
+        assert counter.keys_of([doubled]) == [doubled.to_local().untyped_storage()._cdata]
+        del doubled
+        assert counter.live_bytes == 8192
+    finally:
+        world.__exit__(None, None, None)
+
+
+def test_a_storage_resized_to_0_is_uncounted_and_counted_again_when_it_grows():
+    counter = LiveBytes(rounding_bytes=1)
+    with counter.mode():
+        gathered = torch.ones(100)  # 400 bytes, as FSDP2's all-gathered parameters are made
+        storage = gathered.untyped_storage()
+        storage.resize_(0)  # FSDP2 frees gathered parameters so, after forward
+        assert counter.live_bytes == 0
+        storage.resize_(400)  # and so gathers them again for backward
+        assert counter.live_bytes == 400
+        gathered.add_(1)
+    assert counter.timeline == [400, 0, 400, 400]  # a resize is an event of the timeline, as an op is
+    born, freed, nbytes = counter.storage_log()
+    assert nbytes.tolist() == [400, 400]  # one life per size: made by ones, then by the resize
+    assert (born.tolist(), freed.tolist()) == ([0, 2], [1, 4])  # freed by resize_(0), born by the regrowth
+    del gathered, storage
+    assert counter.live_bytes == 0
+
+
+def test_resize_is_watched_only_while_measuring_and_restored_after_an_error():
+    def watched() -> bool:
+        return "resize_" in torch.UntypedStorage.__dict__
+
+    counter = LiveBytes(rounding_bytes=1)
+    with counter.mode():
+        assert watched()
+    assert not watched()
+    with pytest.raises(ValueError, match="a bad step"), counter.mode():
+        raise ValueError("a bad step")
+    assert not watched()
+    storage = torch.ones(10).untyped_storage()
+    storage.resize_(0)
+    assert counter.live_bytes == 0  # not measuring: a resize is not counted
+
+
+def test_a_resize_past_the_capacity_is_an_oom_and_leaves_the_storage_as_it_was():
+    device = bf.SimulatedDevice(1000, rounding_bytes=1)
+    storage = torch.ones(100).untyped_storage()
+    storage.resize_(0)
+    with pytest.raises(torch.OutOfMemoryError, match="sim:1000B out of memory|out of memory"), device.measuring():
+        storage.resize_(4000)
+    assert storage.nbytes() == 0 and device.live_bytes() == 0
+    assert "resize_" not in torch.UntypedStorage.__dict__
+
+
+def test_a_sharded_models_step_runs_to_its_end_before_the_oom_is_raised():
+    """A rank that stopped half-way would leave the others waiting in its next collective."""
+    world, weight = _sharded_weight()
+    try:
+        device = bf.SimulatedDevice(10_000, rounding_bytes=1)
+        device.register([weight])  # 8192 bytes of shards: the model is sharded
+        finished = []
+        with pytest.raises(torch.OutOfMemoryError, match="step cannot stop half-way"), device.measuring():
+            big = torch.ones(1000)  # 4000 more: past the capacity, and the step goes on
+            big.add_(1)
+            finished.append("ran on")
+        assert len(finished) == 1
+    finally:
+        world.__exit__(None, None, None)
+    del weight, big
+    assert device.live_bytes() == 0
+    with pytest.raises(torch.OutOfMemoryError), device.measuring():  # no shards held: at once again
+        torch.ones(3000)
+        finished.append("not reached")
+    assert len(finished) == 1
+
+
+def test_a_storage_freed_on_another_thread_is_uncounted_by_the_counting_thread():
+    """gloo's worker thread may drop the last reference to a buffer: the counts change only on the
+    thread that counts, at its next op, never on two threads at once."""
+    counter = LiveBytes(rounding_bytes=1)
+    with counter.mode():
+        held = [torch.ones(100)]
+        releaser = threading.Thread(target=held.clear)
+        releaser.start()
+        releaser.join()
+        assert counter.live_bytes == 400  # freed elsewhere: not yet settled
+        kept = torch.ones(1)
+        assert counter.live_bytes == 4
+        born, freed, _ = counter.storage_log()
+        assert freed.tolist() == [1, 2] and born.tolist() == [0, 1]
+    del kept

@@ -4,17 +4,36 @@ A ``TorchDispatchMode`` sees every op below autograd (forward, backward and opti
 Each storage an op reads or makes is counted once, when first seen, and uncounted when the
 storage is freed (a weak reference to the untyped storage: PyTorch keeps a storage's Python
 object alive as long as the storage itself, so the callback fires when the memory is released).
+
+Two things sharded training (FSDP2) does that no dispatch mode sees as memory are counted too:
+- a DTensor (a sharded parameter, its gradient, its optimizer state) is a wrapper whose own
+  storage reports the global size and allocates nothing: wrappers are opened down to their local
+  tensors, which hold the rank's memory;
+- FSDP2 grows and frees its all-gathered parameters with ``UntypedStorage.resize_``, which is no
+  op: while a mode is active ``resize_`` is watched (and restored on the way out, also after an
+  error), so a storage counts at its size after each resize, from the resize on.
+
+A sharded model's step cannot stop half-way: the other ranks would wait in its next collective
+(or join the wrong one), and FSDP2 would keep its parameters gathered. A counter holding DTensor
+shards therefore lets the step run past the limit to the end of the ``mode()`` block and raises
+the out-of-memory error there, with the message of the first allocation that passed the limit
+(the rank's real memory may pass the capacity meanwhile: by what that one trial needs).
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 import weakref
+from collections import deque
 from collections.abc import Iterable
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
@@ -23,6 +42,23 @@ from batchfit.errors import InputError
 # message (Lightning, accelerate) recognise it as well.
 PEER_OOM_WORDING = "DefaultCPUAllocator: can't allocate memory"
 LARGE_BLOCK_OVER_BYTES = 2**20  # storages over 1 MiB are rounded to ``large_rounding_bytes``
+
+
+def local_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors holding ``tensor``'s memory: itself, or a wrapper subclass's inner tensors (a
+    DTensor's local shard), opened all the way down.
+
+    >>> [t.shape for t in local_tensors(torch.zeros(2, 3))]
+    [torch.Size([2, 3])]
+    """
+    if type(tensor) is not torch.Tensor and is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):  # a flattened name may hold no tensor (a mesh)
+                yield from local_tensors(inner)
+    else:
+        yield tensor
 
 
 class Ledger:
@@ -96,8 +132,14 @@ class LiveBytes:
         self.timeline: list[int] = []
         self.exact_timeline: list[int] = []
         self.ledger: Ledger | None = None
-        self._refs: dict[int, weakref.ref] = {}
+        self._refs: dict[int, tuple[weakref.ref, int, int]] = {}  # storage key -> (ref, bytes, exact bytes)
         self.uncounted: frozenset[int] = frozenset()  # storage keys never counted while a mode is active
+        # A process group's worker thread (gloo) may drop the last reference to a buffer: such a
+        # release is queued, and settled by the counting thread before it next counts, so two
+        # threads never change the counts at once (and no lock slows the counting down).
+        self._thread = threading.get_ident()
+        self._released_elsewhere: deque[tuple[int, weakref.ref]] = deque()
+        self._sharded_keys: set[int] = set()  # storage keys of DTensors' local shards (sharded state)
         self._restart_log()
 
     def _restart_log(self) -> None:
@@ -113,27 +155,71 @@ class LiveBytes:
             block = self.large_rounding_bytes
         return -(-nbytes // block) * block
 
-    def _release(self, key: int, nbytes: int, exact_nbytes: int) -> None:
+    def _released(self, key: int, ref: weakref.ref) -> None:
+        """The storage ``key`` (its weak reference ``ref``) was freed, maybe on another thread."""
+        if threading.get_ident() == self._thread:
+            self._forget(key, ref)
+        else:
+            self._released_elsewhere.append((key, ref))
+
+    def settle(self) -> None:
+        """Uncount the storages freed on other threads since the last call."""
+        while self._released_elsewhere:
+            self._forget(*self._released_elsewhere.popleft())
+
+    def _forget(self, key: int, ref: weakref.ref | None = None) -> None:
+        """Uncount the storage ``key`` (only if ``ref`` is still its reference, when given)."""
+        entry = self._refs.get(key)
+        if entry is None or (ref is not None and entry[0] is not ref):
+            return
+        del self._refs[key]
         index = self._open.pop(key, None)
         if index is not None:
             self._freed[index] = len(self.timeline)
-        if self._refs.pop(key, None) is not None:
-            self.live_bytes -= nbytes
-            self.exact_live_bytes -= exact_nbytes
+        self.live_bytes -= entry[1]
+        self.exact_live_bytes -= entry[2]
 
     def track(self, tensor: Any) -> int:
-        """Count ``tensor``'s storage if it is not counted yet; return the bytes it added."""
-        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        """Count ``tensor``'s storage if it is not counted yet (a wrapper subclass such as a
+        DTensor: its local tensors' storages); return the bytes it added."""
+        if not isinstance(tensor, torch.Tensor):
+            return 0
+        if type(tensor) is not torch.Tensor and is_traceable_wrapper_subclass(tensor):
+            return self._track_wrapper(tensor)
+        if tensor.layout != torch.strided:
             return 0
         storage = tensor.untyped_storage()
+        if storage._cdata in self._refs and not (self._released_elsewhere and self._reused(storage._cdata)):
+            return 0  # counted already: most tensors an op reads
+        return self._count(storage)
+
+    def _track_wrapper(self, tensor: torch.Tensor) -> int:
+        added = 0
+        sharded = _is_dtensor(tensor)
+        for local in local_tensors(tensor):
+            added += self.track(local)
+            if sharded:
+                self._sharded_keys.add(local.untyped_storage()._cdata)
+        return added
+
+    def steps_must_finish(self) -> bool:
+        """True when a step measured now must run to its end even past the limit: this counter
+        holds a DTensor's local shard, so the model is sharded (FSDP2, tensor parallel). Its step
+        runs collectives the other ranks wait in, and FSDP2 cannot resume from a step stopped
+        half-way (its parameters would stay gathered while the search puts the shards back)."""
+        self._sharded_keys = {key for key in self._sharded_keys if key in self._refs}
+        return bool(self._sharded_keys)
+
+    def _count(self, storage: torch.UntypedStorage) -> int:
         key = storage._cdata
-        if key in self._refs or key in self.uncounted:
+        if key in self.uncounted or key in self._refs:
             return 0
         exact_nbytes = storage.nbytes()
         if exact_nbytes == 0:
             return 0
         nbytes = self._rounded(exact_nbytes)
-        self._refs[key] = weakref.ref(storage, lambda _ref, k=key, n=nbytes, e=exact_nbytes: self._release(k, n, e))
+        ref = weakref.ref(storage, lambda dead, k=key: self._released(k, dead))
+        self._refs[key] = (ref, nbytes, exact_nbytes)
         self._open[key] = len(self._born)
         self._born.append(len(self.timeline))
         self._freed.append(-1)
@@ -146,9 +232,30 @@ class LiveBytes:
             self.ledger.observe(self.live_bytes, self._refs)
         return nbytes
 
+    def _reused(self, key: int) -> bool:
+        """Whether ``key``, counted, belongs to a storage freed on another thread (so this is a
+        new storage at the same address), once those releases are settled."""
+        self.settle()
+        return key not in self._refs
+
+    def resized(self, storage: torch.UntypedStorage) -> int:
+        """``storage`` was just resized (``UntypedStorage.resize_``): uncounted at its old size,
+        counted anew at its new one (none after ``resize_(0)``), as if freed and made now;
+        returns the bytes it adds."""
+        if storage._cdata in self.uncounted:
+            return 0
+        self._forget(storage._cdata)
+        return self._count(storage)
+
     def keys_of(self, tensors: Iterable[Any]) -> list[int]:
-        """The storage keys of ``tensors`` (to tell the ledger their role)."""
-        return [t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)]
+        """The storage keys of ``tensors`` (to tell the ledger their role): a wrapper subclass's
+        (a DTensor's) are its local tensors'."""
+        return [
+            local.untyped_storage()._cdata
+            for tensor in tensors
+            if isinstance(tensor, torch.Tensor)
+            for local in local_tensors(tensor)
+        ]
 
     def track_all(self, tensors: Iterable[Any]) -> None:
         """Count tensors that existed before the trial (parameters, buffers, optimizer state)."""
@@ -195,7 +302,13 @@ class LiveBytes:
         self.timeline = []
         self.exact_timeline = []
         self._restart_log()
+        self._thread = threading.get_ident()
         return _CountingMode(self, frozenset(self.keys_of(uncounted)))
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")  # imported by whoever made a DTensor
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def _tensors_in(value: Any) -> Iterable[Any]:
@@ -212,24 +325,74 @@ class _CountingMode(TorchDispatchMode):
         super().__init__()
         self.counter = counter
         self.uncounted = uncounted  # storage keys of host data (the sample): read, never counted
+        self._resize_before: Any = None  # UntypedStorage's own resize_ entry before __enter__
+        self.defer_oom = False  # a sharded model's rank: its step runs on, the error is raised at exit
+        self.deferred_oom: str | None = None  # the message of the first allocation past the limit
 
     def __enter__(self) -> _CountingMode:
         self.counter.uncounted = self.uncounted  # only while active: a freed key may be reused later
-        return super().__enter__()
+        self.defer_oom = self.counter.steps_must_finish()
+        self.deferred_oom = None
+        entered = super().__enter__()
+        self._watch_resize()
+        return entered
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.counter.uncounted = frozenset()
-        return super().__exit__(*exc_info)
+        try:
+            self._unwatch_resize()
+        finally:
+            self.counter.uncounted = frozenset()
+            super().__exit__(*exc_info)
+            self.counter.settle()
+        if self.deferred_oom is not None and exc_info[0] is None:
+            raise torch.OutOfMemoryError(self.deferred_oom)
+
+    def _oom_now(self, requested: int) -> str | None:
+        """The counter is past its limit: the out-of-memory message to raise now, or ``None`` when
+        the step must run on (the first such message is then kept for ``__exit__``)."""
+        message = self.counter.oom_message(requested)
+        if not self.defer_oom:
+            return message
+        if self.deferred_oom is None:
+            self.deferred_oom = f"{message} Raised when the step ended: a sharded model's step cannot stop half-way."
+        return None
+
+    def _watch_resize(self) -> None:
+        """Count every ``UntypedStorage.resize_`` (no op a dispatch mode sees) while active."""
+        self._resize_before = torch.UntypedStorage.__dict__.get("resize_")
+        original = torch.UntypedStorage.resize_
+        counter = self.counter
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            before_nbytes = storage.nbytes()
+            result = original(storage, size)
+            requested = counter.resized(storage)
+            if counter.over_limit() and (message := self._oom_now(requested)) is not None:
+                original(storage, before_nbytes)  # a real allocator leaves the storage as it was
+                counter.resized(storage)
+                raise torch.OutOfMemoryError(message)
+            counter.timeline.append(counter.live_bytes)
+            counter.exact_timeline.append(counter.exact_live_bytes)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+
+    def _unwatch_resize(self) -> None:
+        if self._resize_before is None:
+            del torch.UntypedStorage.resize_  # back to the method it inherits
+        else:
+            torch.UntypedStorage.resize_ = self._resize_before
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         counter = self.counter
+        if counter._released_elsewhere:
+            counter.settle()
         for arg in args:
             for tensor in _tensors_in(arg):
                 counter.track(tensor)
         out = func(*args, **(kwargs or {}))
         requested = sum(counter.track(tensor) for tensor in _tensors_in(out))
-        if counter.over_limit():
-            message = counter.oom_message(requested)
+        if counter.over_limit() and (message := self._oom_now(requested)) is not None:
             del out  # a real allocator never hands out the block: nothing may keep it alive
             raise torch.OutOfMemoryError(message)
         counter.timeline.append(counter.live_bytes)
