@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
+from batchfit.errors import InputError
 from batchfit.parallel import Parallelism
 from batchfit.parallel import TinyTransformer
 from batchfit.parallel import fit
@@ -19,6 +20,7 @@ from batchfit.parallel import trace_rank
 from batchfit.parallel.counting import RankBytes
 from batchfit.parallel.fit import LargestBatch
 from batchfit.parallel.fit import largest_batch_size
+from batchfit.parallel.trace import RankSession
 from batchfit.parallel.trace import ShardedEstimate
 from batchfit.parallel.trace import plain_batch_checks
 
@@ -89,6 +91,19 @@ def test_the_first_steps_sharding_propagation_is_not_in_the_peak(monkeypatch) ->
     # The optimizer step, where the propagation runs, peaks at the same bytes with or without it.
     assert uncached.phase_peaks_bytes == steady.phase_peaks_bytes
     assert uncached.step_peaks_bytes == steady.step_peaks_bytes and uncached.breakdown == steady.breakdown
+    # In a session, the first size's first step propagates for the later sizes too, and a later
+    # size's one steady step peaks as its own trace does, with or without the propagation in it.
+    _UncachedAdamW.made.clear()
+    with RankSession(WIDE, 8, parallelism=settings, optimizer=lambda p: _UncachedAdamW(p, foreach=True)) as session:
+        at_one, at_two = session.trace(1), session.trace(2)
+    assert len(_UncachedAdamW.made) == 3 and min(_UncachedAdamW.made) > 0
+    assert at_one.peak_bytes == steady.peak_bytes and at_one.breakdown == steady.breakdown
+    fresh = trace_rank(WIDE, 2, 8, parallelism=settings)
+    assert (at_two.peak_bytes, at_two.breakdown, at_two.phase_peaks_bytes) == (
+        fresh.peak_bytes,
+        fresh.breakdown,
+        fresh.phase_peaks_bytes,
+    )
 
 
 def test_the_packed_sequence_check_answers_as_for_a_real_plain_batch() -> None:
@@ -140,19 +155,36 @@ def test_a_trace_of_one_step_after_another_holds_only_the_state_between_steps() 
 # -- the largest micro-batch, on synthetic traces and on a real one --------------------------------
 
 
-def _synthetic(peak_of):
-    def trace(model, batch_size, seq_len, *, parallelism=None, **options):
-        return ShardedEstimate(
-            peak_of(batch_size),
-            {"activations": peak_of(batch_size)},
-            8,
-            batch_size,
-            seq_len,
-            "backward",
-            Parallelism(world_size=8),
-        )
+def _synthetic(peak_of, phase_peaks_of=None):
+    """A stand-in for ``RankSession`` whose traces peak at ``peak_of(batch_size)`` (with the phases'
+    peaks ``phase_peaks_of(batch_size)`` when given)."""
 
-    return trace
+    class Session:
+        def __init__(self, model, seq_len, *, parallelism=None, **options):
+            self.seq_len, self.steps_run = seq_len, 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            return None
+
+        def trace(self, batch_size):
+            self.steps_run += 1
+            phases = phase_peaks_of(batch_size) if phase_peaks_of else {}
+            peak = max(phases.values()) if phases else peak_of(batch_size)
+            return ShardedEstimate(
+                peak,
+                {"activations": peak},
+                8,
+                batch_size,
+                self.seq_len,
+                "backward",
+                Parallelism(world_size=8),
+                phase_peaks_bytes=phases,
+            )
+
+    return Session
 
 
 @pytest.mark.parametrize(
@@ -165,7 +197,7 @@ def _synthetic(peak_of):
     ],
 )
 def test_the_largest_batch_is_a_traced_size_next_to_a_traced_failure(monkeypatch, peak_of, most_traces) -> None:
-    monkeypatch.setattr(fit, "trace_rank", _synthetic(peak_of))
+    monkeypatch.setattr(fit, "RankSession", _synthetic(peak_of))
     capacity = 3000
     truth = max(b for b in range(1, 500) if peak_of(b) <= capacity)
     found = largest_batch_size("any", 128, capacity)
@@ -175,7 +207,7 @@ def test_the_largest_batch_is_a_traced_size_next_to_a_traced_failure(monkeypatch
 
 
 def test_the_largest_batch_when_none_fits_or_the_maximum_fits(monkeypatch) -> None:
-    monkeypatch.setattr(fit, "trace_rank", _synthetic(lambda b: 1000 + 10 * b))
+    monkeypatch.setattr(fit, "RankSession", _synthetic(lambda b: 1000 + 10 * b))
     assert largest_batch_size("any", 128, 500).batch_size == 0
     capped = largest_batch_size("any", 128, 10**9, max_batch_size=64)
     assert (capped.batch_size, capped.above) == (64, None)
@@ -188,3 +220,111 @@ def test_the_largest_batch_on_fake_fsdp2_traces() -> None:
     assert found.estimate.peak_bytes <= 2500 * 1024 < found.above.peak_bytes
     assert (found.estimate.batch_size, found.above.batch_size) == (found.batch_size, found.batch_size + 1)
     assert found.to_dict()["largest_batch_size"] == found.batch_size
+    assert found.steps == 2 + found.traces - 1  # built and sharded once: one steady step a later size
+    for traced in (found.estimate, found.above):  # each as its own trace says
+        fresh = trace_rank(TinyTransformer, traced.batch_size, 16, parallelism=settings)
+        assert (traced.peak_bytes, traced.breakdown) == (fresh.peak_bytes, fresh.breakdown)
+
+
+def test_lines_by_phase_find_the_edge_when_the_peak_moves_to_another_phase(monkeypatch) -> None:
+    # The optimizer step peaks at 1 and 2 (large model, small activations); backward overtakes it later.
+    def phases(b: int) -> dict[str, int]:
+        return {"forward": 100 + 30 * b, "backward": 500 + 50 * b, "optimizer": 2000 + b}
+
+    monkeypatch.setattr(fit, "RankSession", _synthetic(None, phases))
+    found = largest_batch_size("any", 128, 5000)
+    assert (found.batch_size, found.above.batch_size, found.traces) == (90, 91, 4)  # 1, 2, 90, 91
+    monkeypatch.setattr(fit, "RankSession", _synthetic(lambda b: max(phases(b).values())))
+    assert largest_batch_size("any", 128, 5000).traces > 4  # the step's peak alone: a line that bends
+
+
+# -- one session, several micro-batch sizes -------------------------------------------------------
+
+
+class _Scratchy(TinyTransformer):
+    """Its forward makes a large scratch tensor it does not keep, so the step peaks in the forward,
+    while the previous step's output is still alive."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            offset = torch.ones(*input_ids.shape, 64 * self.norm.normalized_shape[0]).mean()
+        return super().forward(input_ids) + offset
+
+
+class _Caching(TinyTransformer):
+    """Keeps a tensor as large as its last batch between steps (made anew when the batch changes)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "cache", None) is None or self.cache.shape[0] != input_ids.shape[0]:
+            self.cache = torch.zeros(*input_ids.shape, 256)
+        return super().forward(input_ids)
+
+
+def _llama_checkpointed():
+    from fsdp_cases import CASES
+
+    case = CASES["llama_checkpointed"]
+    return case.spec(), case.parallelism(4)
+
+
+def _same_step(one: ShardedEstimate, other: ShardedEstimate) -> tuple:
+    fields = ("peak_bytes", "breakdown", "peak_phase", "phase_peaks_bytes", "state_bytes")
+    return tuple(getattr(one, name) for name in fields), tuple(getattr(other, name) for name in fields)
+
+
+@pytest.mark.parametrize(
+    ("spec", "settings", "sizes"),
+    [
+        (
+            functools.partial(_Scratchy, num_layers=2),
+            Parallelism(world_size=2, activation_checkpointing="full"),
+            (2, 3, 1),
+        ),
+        ("llama", None, (1, 3)),  # a Hugging Face Llama, bf16 compute and fp32 reduction, checkpointed
+    ],
+    ids=["peak-in-forward", "hf-llama-mixed-checkpointed"],
+)
+def test_a_session_traces_each_size_as_its_own_trace_does(spec, settings, sizes) -> None:
+    if spec == "llama":
+        pytest.importorskip("transformers")
+        spec, settings = _llama_checkpointed()
+    with RankSession(spec, 16, parallelism=settings) as session:
+        traced = {size: session.trace(size) for size in sizes}  # up, then down
+    assert session.steps_run == 2 + len(sizes) - 1  # the first size's two steps, then one steady step a size
+    for size in sizes[1:]:
+        fresh = trace_rank(spec, size, 16, parallelism=settings)
+        mine, theirs = _same_step(traced[size], fresh)
+        assert mine == theirs, size
+        assert traced[size].step_peaks_bytes == (fresh.peak_bytes,)
+    assert traced[3].peak_phase == ("forward" if settings.param_dtype is None else "backward")
+    assert not dist.is_initialized()
+
+
+def test_a_session_retraces_a_size_whose_step_changes_what_the_rank_keeps() -> None:
+    settings = Parallelism(world_size=2)
+    with RankSession(_Caching, 16, parallelism=settings) as session:
+        session.trace(1)
+        at_two = session.trace(2)
+    assert session.steps_run == 2 + 1 + 2  # the steady step at 2 made a new cache: two more steps
+    mine, theirs = _same_step(at_two, trace_rank(_Caching, 2, 16, parallelism=settings))
+    assert mine == theirs
+
+
+class _FailsAtThree(TinyTransformer):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[0] == 3:
+            raise KeyError("the user's own error at micro-batch 3")
+        return super().forward(input_ids)
+
+
+def test_a_session_traces_only_inside_its_block_and_not_after_a_step_failed() -> None:
+    session = RankSession(_FailsAtThree, 8, parallelism=Parallelism(world_size=2))
+    with pytest.raises(InputError, match="inside its with block"):
+        session.trace(1)
+    with session:
+        assert dist.is_initialized() and session.trace(1).batch_size == 1
+        with pytest.raises(KeyError, match="own error"):
+            session.trace(3)
+        with pytest.raises(InputError, match="new RankSession"):
+            session.trace(2)
+    assert not dist.is_initialized()

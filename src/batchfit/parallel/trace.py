@@ -7,7 +7,9 @@ holds. The peak and its breakdown are those of the LAST step: the first one diff
 optimizer makes its state during it, FSDP2 initialises lazily, and DTensor's sharding
 propagation makes global-shape fake tensors on its cache misses, though inside DTensor's own
 dispatch, where this counter does not look). ``fake=False`` runs the same with real tensors: one
-rank's real memory at any world size, the proof of the fake numbers.
+rank's real memory at any world size, the proof of the fake numbers. A ``RankSession`` keeps the
+world, the sharded model and its optimizer for several micro-batch sizes: after the first size,
+each costs one steady step with the same peak and breakdown as its own ``trace_rank``.
 
 Two things keep the fake trace what real execution does:
 - the loop is a hand-written one: ``output`` and ``loss`` stay alive into the next step;
@@ -35,6 +37,7 @@ from torch.nn import functional as F
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
+from batchfit.parallel.counting import PeakMoment
 from batchfit.parallel.counting import RankBytes
 from batchfit.parallel.models import ModelSpec
 from batchfit.parallel.models import model_builder
@@ -82,7 +85,8 @@ class ShardedEstimate:
     the all-gathered ones alive at the peak, ``communication`` FSDP2's all-gather and
     reduce-scatter buffers, ``activations`` what forward left for backward (with the loop's kept
     output), ``temporaries`` the rest (backward's and the optimizer's working memory, unreduced
-    gradients). ``step_peaks_bytes`` is every step's peak, the reported one last. ``state_bytes``
+    gradients). ``step_peaks_bytes`` is every step's peak, the reported one last (only that one
+    for a size a ``RankSession`` traced after another). ``state_bytes``
     is the sharded state the rank holds in that step, wherever the peak is: its parameters and
     gradients after backward, its optimizer state after the optimizer step (what divides by the
     number of ranks sharding it). ``phase_peaks_bytes`` is that step's peak in each phase.
@@ -195,6 +199,36 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
+class _StepRecord(NamedTuple):
+    """One counted step before it is reported: the peak until the previous step's output was
+    released (``earlier``, in the forward) and the peak after it (``later``), each a moment of the
+    counter's ledger; the sharded state and the peak of each phase."""
+
+    earlier: PeakMoment
+    later: PeakMoment
+    state_bytes: dict[str, int]
+    phase_peaks_bytes: dict[str, int]
+
+
+def _reported(record: _StepRecord, counter: RankBytes, kept: dict[str, int]) -> StepPeak:
+    """The step's peak as counted, plus ``kept``: bytes by role that a previous step at this size
+    would have left alive (its output and loss) until this step's forward replaced them, which a
+    step traced right after another size did not hold. With ``kept`` empty, the step as run."""
+    kept_bytes = sum(kept.values())
+    earlier, later = record.earlier, record.later
+    if earlier.peak_bytes + kept_bytes >= later.peak_bytes:  # a tie goes to the earlier moment, as in one ledger
+        moment, extra = earlier, kept
+    else:
+        moment, extra = later, {}
+    breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
+    for part in (counter.breakdown_at(moment), extra):
+        for role, nbytes in part.items():
+            breakdown[role] = breakdown.get(role, 0) + nbytes
+    phase_peaks = {**record.phase_peaks_bytes, "forward": record.phase_peaks_bytes["forward"] + kept_bytes}
+    peak_bytes = moment.peak_bytes + sum(extra.values())
+    return StepPeak(peak_bytes, breakdown, moment.phase, record.state_bytes, phase_peaks)
+
+
 class _Steps:
     """The training loop one rank runs, counted by ``counter``, with the roles named as they become known."""
 
@@ -210,12 +244,16 @@ class _Steps:
         counter.track_all(_optimizer_tensors(self.optimizer), "optimizer_state")
         counter.track(self.input_ids, "batch")
 
-    def step(self) -> StepPeak:
-        """One step; its peak bytes, their breakdown, the phase of the peak, and the sharded state."""
+    def step(self) -> _StepRecord:
+        """One step; its peaks (before and after the previous output is released), the phase of
+        each, and the sharded state."""
         counter, phase_peaks = self.counter, {}
         counter.restart_peak()
         counter.start_phase("forward")
-        self.output, self.loss = language_model_loss(self.model, self.input_ids)
+        output, loss = language_model_loss(self.model, self.input_ids)
+        counter.split_peak()  # the previous step's output and loss are released on the next line
+        self.output, self.loss = output, loss
+        del output, loss
         counter.ledger.assign(counter.live_keys_with("temporaries"), "activations")  # kept for backward
         phase_peaks["forward"] = counter.phase_peak_bytes
         counter.start_phase("backward")
@@ -234,8 +272,15 @@ class _Steps:
         state["optimizer_state"] = counter.bytes_of(_optimizer_tensors(self.optimizer))
         self.optimizer.zero_grad(set_to_none=True)
         phase_peaks["optimizer"] = counter.phase_peak_bytes
-        breakdown = {**dict.fromkeys(BREAKDOWN_KEYS, 0), **counter.breakdown()}
-        return StepPeak(counter.peak_bytes, breakdown, counter.ledger.peak_phase, state, phase_peaks)
+        return _StepRecord(counter.earlier_peak, counter.later_peak(), state, phase_peaks)
+
+    def release_output(self) -> dict[str, int]:
+        """Drop the loop's output and loss; the bytes that freed, by role."""
+
+        def release() -> None:
+            self.output = self.loss = None
+
+        return self.counter.released_by_role(release)
 
 
 def trace_rank(
@@ -257,24 +302,34 @@ def trace_rank(
     in ``dtype`` (FSDP2's ``param_dtype`` in ``parallelism`` sets the compute dtype).
     ``optimizer`` makes the optimizer from the parameters (AdamW with ``foreach``, torch's GPU
     default, when ``None``). ``fake=False`` runs one rank for real (real memory: keep it small).
+    To trace several micro-batch sizes of one model, a ``RankSession`` builds and shards it once.
 
     >>> from batchfit.parallel.models import TinyTransformer
     >>> estimate = trace_rank(TinyTransformer, 2, 16, parallelism=Parallelism(world_size=2))
     >>> estimate.world_size, sum(estimate.breakdown.values()) == estimate.peak_bytes
     (2, True)
     """
+    _check_sizes(batch_size, seq_len, steps)  # before the model is built
+    session = RankSession(
+        model, seq_len, parallelism=parallelism, dtype=dtype, optimizer=optimizer, steps=steps, fake=fake
+    )
+    with session:
+        return session.trace(batch_size)
+
+
+def _checked_parallelism(parallelism: Parallelism | None) -> Parallelism:
     parallelism = Parallelism() if parallelism is None else parallelism
     if not isinstance(parallelism, Parallelism):
         raise InputTypeError(f"parallelism must be a batchfit Parallelism, got {type(parallelism).__name__}")
-    _check_sizes(batch_size, seq_len, steps)
     if parallelism.sharding == "ddp":
         raise InputError(
             "sharding='ddp' cannot be traced (DistributedDataParallel needs real tensors): every DDP rank holds the "
             "whole model, so trace sharding='none' with world_size=1, or probe real DDP under torchrun"
         )
-    peaks = _run(
-        model_builder(model, dtype), batch_size, seq_len, parallelism, optimizer or default_optimizer, steps, fake
-    )
+    return parallelism
+
+
+def _estimate(peaks: list[StepPeak], batch_size: int, seq_len: int, parallelism: Parallelism) -> ShardedEstimate:
     last = peaks[-1]
     return ShardedEstimate(
         peak_bytes=last.peak_bytes,
@@ -290,23 +345,109 @@ def trace_rank(
     )
 
 
-def _run(
-    build: Callable[[], nn.Module],
-    batch_size: int,
-    seq_len: int,
-    parallelism: Parallelism,
-    optimizer: OptimizerFactory,
-    steps: int,
-    fake: bool,
-) -> list[StepPeak]:
-    """Every step's peak, breakdown and phase: the world (before any fake mode), then the model,
-    its optimizer and batch built (fake or real), then the counted steps."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+class RankSession:
+    """One rank's fake world, sharded model and optimizer, made once and traced at several
+    micro-batch sizes of ``seq_len`` tokens (the arguments are ``trace_rank``'s).
 
-    with fake_world(parallelism) as mesh, FakeTensorMode() if fake else contextlib.nullcontext():
-        model = shard_model(build(), mesh, parallelism)
-        input_ids = torch.randint(0, _vocab_size(model), (batch_size, seq_len))
-        return count_steps(model, optimizer(model.parameters()), input_ids, steps)
+    The first ``trace`` runs ``steps`` steps and reports the last, as ``trace_rank`` does. The
+    optimizer state then exists, so a later size needs one steady step: it starts without the
+    output and loss a previous step at that size would have left alive until its forward
+    replaced them, and those bytes (the ones the step's own output frees, by role) are added to
+    its forward, so its peak, breakdown and phase peaks are those of ``trace_rank`` at that size
+    (``step_peaks_bytes`` then holds that one step). Should a step change what the rank keeps
+    between steps, that size is traced again from ``steps`` steps. The process group lives
+    while the ``with`` block does; fake mode is on only inside ``trace``.
+
+    >>> from batchfit.parallel.models import TinyTransformer
+    >>> with RankSession(TinyTransformer, 16, parallelism=Parallelism(world_size=2)) as session:
+    ...     peaks = [session.trace(size).peak_bytes for size in (1, 2)]
+    >>> peaks[0] < peaks[1], session.traces, session.steps_run
+    (True, 2, 3)
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        seq_len: int,
+        *,
+        parallelism: Parallelism | None = None,
+        dtype: torch.dtype = torch.float32,
+        optimizer: OptimizerFactory | None = None,
+        steps: int = 2,
+        fake: bool = True,
+    ):
+        self.parallelism = _checked_parallelism(parallelism)
+        _check_sizes(1, seq_len, steps)
+        self.seq_len, self.steps, self.fake = seq_len, steps, fake
+        self._build = model_builder(model, dtype)
+        self._make_optimizer = optimizer or default_optimizer
+        self._stack: contextlib.ExitStack | None = None
+        self._warm = False  # whether a step has made the optimizer state and FSDP2's lazy state
+        self._failed = False  # whether a trace raised (the model may be stuck in a step)
+        self.traces = 0
+        self.steps_run = 0
+
+    def __enter__(self) -> RankSession:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with contextlib.ExitStack() as stack:
+            mesh = stack.enter_context(fake_world(self.parallelism))
+            self._mode = FakeTensorMode() if self.fake else contextlib.nullcontext()
+            with self._mode:
+                self.model = shard_model(self._build(), mesh, self.parallelism)
+                self.optimizer = self._make_optimizer(self.model.parameters())
+            self._vocab_size = _vocab_size(self.model)
+            self.counter = RankBytes()
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.model = self.optimizer = self.counter = None
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def trace(self, batch_size: int) -> ShardedEstimate:
+        """One rank's peak at micro-batch ``batch_size`` (see the class)."""
+        _check_sizes(batch_size, self.seq_len, self.steps)
+        if self._stack is None:
+            raise InputError("a RankSession traces inside its with block: with RankSession(...) as session: ...")
+        if self._failed:
+            raise InputError("this RankSession's model stopped in the middle of a step: trace in a new RankSession")
+        try:
+            peaks = self._traced(batch_size)
+        except BaseException:
+            self._failed = True  # FSDP2 may hold gathered parameters, the optimizer half a step
+            raise
+        self.traces += 1
+        return _estimate(peaks, batch_size, self.seq_len, self.parallelism)
+
+    def _traced(self, batch_size: int) -> list[StepPeak]:
+        with self._mode:
+            input_ids = torch.randint(0, self._vocab_size, (batch_size, self.seq_len))
+            loop = _Steps(self.model, self.optimizer, input_ids, self.counter)
+            del input_ids
+            with plain_batch_checks(batch_size, self.seq_len), self.counter.measuring():
+                loop.register()
+                peaks = self._steady(loop) if self._warm else None
+                if peaks is None:
+                    peaks = [_reported(loop.step(), self.counter, {}) for _ in range(self.steps)]
+                    self.steps_run += self.steps
+                    loop.release_output()
+            loop.input_ids = None
+        self._warm = True
+        return peaks
+
+    def _steady(self, loop: _Steps) -> list[StepPeak] | None:
+        """One steady step at a new size, reported with what a previous step at that size would
+        have left alive; ``None`` when the step changed what the rank keeps between steps."""
+        start_bytes = self.counter.live_bytes  # the resting state and this size's batch
+        record = loop.step()
+        self.steps_run += 1
+        kept = loop.release_output()
+        if self.counter.live_bytes != start_bytes:
+            return None
+        return [_reported(record, self.counter, kept)]
 
 
 def count_steps(
@@ -320,4 +461,4 @@ def count_steps(
     batch_size, seq_len = input_ids.shape
     with plain_batch_checks(batch_size, seq_len), loop.counter.measuring():
         loop.register()
-        return [loop.step() for _ in range(steps)]
+        return [_reported(loop.step(), loop.counter, {}) for _ in range(steps)]
