@@ -14,6 +14,7 @@ from batchfit.parallel.models import LLM_PRESETS
 from batchfit.parallel.models import TinyTransformer
 from batchfit.parallel.models import model_config
 from batchfit.parallel.settings import Parallelism
+from batchfit.parallel.trace import RankSession
 from batchfit.parallel.trace import ShardedEstimate
 from batchfit.parallel.trace import trace_rank
 from batchfit.parallel.world import fake_world
@@ -22,6 +23,7 @@ __all__ = [
     "LLM_PRESETS",
     "LargestBatch",
     "Parallelism",
+    "RankSession",
     "ShardedEstimate",
     "TinyTransformer",
     "fake_world",
