@@ -328,3 +328,9 @@ def test_a_session_traces_only_inside_its_block_and_not_after_a_step_failed() ->
         with pytest.raises(InputError, match="new RankSession"):
             session.trace(2)
     assert not dist.is_initialized()
+
+
+def test_a_trace_leaves_untyped_storage_as_it_found_it():
+    before = dict(torch.UntypedStorage.__dict__)
+    trace_rank(TinyTransformer, 1, 8, parallelism=Parallelism(world_size=2))
+    assert dict(torch.UntypedStorage.__dict__) == before  # resize_ watched only during the trace, then removed

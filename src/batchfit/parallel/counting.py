@@ -224,6 +224,7 @@ class RankBytes:
     def measuring(self) -> Iterator[None]:
         """Count what every op reads and makes, and every ``UntypedStorage.resize_``, while active
         (``resize_`` is restored on the way out)."""
+        own = torch.UntypedStorage.__dict__.get("resize_")  # None: the method is inherited
         original = torch.UntypedStorage.resize_
 
         def resize_(storage: torch.UntypedStorage, size: int) -> Any:
@@ -236,7 +237,10 @@ class RankBytes:
             with _CountingMode(self):
                 yield
         finally:
-            torch.UntypedStorage.resize_ = original
+            if own is None:
+                del torch.UntypedStorage.resize_  # back to the inherited method, as before
+            else:
+                torch.UntypedStorage.resize_ = own
 
 
 class _CountingMode(TorchDispatchMode):
