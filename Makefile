@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench reliability clean
+.PHONY: install demo test lint docs bench reliability clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -13,7 +13,7 @@ $(BIN)/python:
 # torch is pinned to the local CPU wheel first, so the project's `torch>=2.2` installs nothing more.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[test,plot,lightning,transformers,mlx]"
+	$(BIN)/pip install --quiet -e ".[test,plot,lightning,transformers,mlx,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,13 +25,18 @@ demo: $(STAMP)
 # Lint, format and the import contract (tests/test_layout.py) run with the suite: everything CI runs.
 # Two pytest-xdist workers, one per core (the tests' models are tiny: one torch thread each).
 test: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples docs/hooks
+	$(BIN)/ruff format --check src tests benchmarks examples docs/hooks
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --quiet --strict --site-dir build/site
 	$(BIN)/python -m pytest -n 2 src tests
 
+# The documentation site (docs/, mkdocs.yml), every warning an error; make test builds it too.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
+
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples docs/hooks
+	$(BIN)/ruff format --check src tests benchmarks examples docs/hooks
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/search_strategies.py
