@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples docs/hooks
 	$(BIN)/ruff format --check src tests benchmarks examples docs/hooks
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --quiet --strict --site-dir build/site
-	$(BIN)/python -m pytest -n 2 src tests
+	$(BIN)/python -m pytest -n 2 -m "not slow" src tests
 
 # The documentation site (docs/, mkdocs.yml), every warning an error; make test builds it too.
 docs: $(STAMP)
@@ -50,6 +50,7 @@ bench: $(STAMP)
 
 # Fault injection, bad inputs and endurance (a reduced form runs in `make test`): benchmarks/RELIABILITY.md.
 reliability: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -m slow tests
 	$(BIN)/python benchmarks/reliability.py
 
 clean:

@@ -15,7 +15,8 @@ from dataclasses import field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DOCUMENTS = (REPO / "README.md",)
+DOCUMENTS = (REPO / "README.md",)  # whose commands run
+SNIPPET_DOCUMENTS = (REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")))  # whose Python blocks run
 SET_UP = ("make ", "export ")  # the README's own set-up lines: not batchfit commands
 CAPTURE = re.compile(r"^\w+=\$\((?P<inner>.*)\)\s*(#.*)?$")  # BS=$(batchfit find ... --quiet)
 ASSIGNMENT = re.compile(r"^(?P<name>[A-Z_][A-Z0-9_]*)=(?P<value>\S*)$")
@@ -102,6 +103,6 @@ def commands(documents: tuple[Path, ...] = DOCUMENTS) -> list[Command]:
     return found
 
 
-def snippets(documents: tuple[Path, ...] = DOCUMENTS) -> list[Block]:
+def snippets(documents: tuple[Path, ...] = SNIPPET_DOCUMENTS) -> list[Block]:
     """Every ```python block of the documents, in order."""
     return [block for document in documents for block in fenced_blocks(document) if block.language == "python"]

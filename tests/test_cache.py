@@ -126,6 +126,7 @@ assert cache.disabled_reason is None, cache.disabled_reason
 """
 
 
+@pytest.mark.slow  # a campaign: make reliability runs it
 def test_two_processes_hammering_the_cache_leave_it_consistent(tmp_path):
     procs = [
         subprocess.Popen([sys.executable, "-c", HAMMER, str(tmp_path), str(n)], stderr=subprocess.PIPE, text=True)

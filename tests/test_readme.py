@@ -31,65 +31,30 @@ SECONDS_ALLOWED = 60.0  # the issue's bound on any documented command or snippet
 
 # (pattern in a README command, replacement, why). Applied in order, each to every command.
 COMMAND_SUBSTITUTIONS: tuple[tuple[str, str, str], ...] = (
-    (r"--device cuda(:\d+)?\b", "--device sim:64MiB", "no GPU here: the simulated device stands in for it"),
-    (
-        r"--device mlx:32MiB",
-        "--device mlx:11MiB --max-trials 8",
-        "MLX on the CPU computes each trial for real: 37 s at 32 MiB; 16 trials at 11 MiB take 2.4 s, 8 take 0.6 s",
-    ),
-    (
-        r"--framework mlx$",
-        "--framework mlx --device mlx:4MiB",
-        "without Metal, auto is a 256 MiB MLX device: 36-47 s on two cores",
-    ),
-    (
-        r"^(batchfit optimal\b(?!.*--device).*)$",
-        r"\1 --device sim:8MiB",
-        "without a GPU, auto is a 256 MiB simulated device: optimal times 7 steps at each size up to its edge (80-110 s)",
-    ),
-    (
-        r"^(batchfit (?:find|sweep)\b(?!.*--device).*)$",
-        r"\1 --device sim:16MiB",
-        "without a GPU, auto is a 256 MiB simulated device: up to 110 s for a sweep, 50 s for BERT",
-    ),
     (
         r"--device sim:256MiB",
         "--device sim:16MiB",
-        "trials compute for real on the CPU: the 6-configuration sweep takes 60 s at 256 MiB",
+        "trials compute for real on the CPU: the transformer's edge at 256 MiB takes tens of seconds of trials",
     ),
-    (
-        r"--grid seq_len=64,128,256 --grid layers=2,4",
-        "--grid seq_len=64,128 --grid layers=1,2",
-        "4 configurations of 1-2 layers, not 6 of 2-4 (4 layers at seq_len=256 need more than 16 MiB at batch 1): "
-        "each is its own search either way",
-    ),
-    (r"--max-new-tokens 64", "--max-new-tokens 2", "each new token is a forward pass over a growing KV cache"),
-    (r"--samples 4096", "--samples 256", "--empirical trains once per size on --samples rows: 109 s as written"),
 )
 
 # (text in a README snippet, replacement, why); plain text, each must occur in some snippet.
 SNIPPET_SUBSTITUTIONS: tuple[tuple[str, str, str], ...] = (
-    (".cuda()", "", "no GPU here: the model stays on the host, searched on the simulated device below"),
     (
-        "amp_dtype=torch.bfloat16)",
-        'amp_dtype=torch.bfloat16, device="sim:16MiB")',
-        "a model on the host would be searched on the CPU itself, up to its free memory",
+        'trace_rank("llama-3-8b", 1, 4096,',
+        'trace_rank({**LLM_PRESETS["llama-3-8b"], "num_hidden_layers": 2}, 1, 64,',
+        "the same preset and code path, 2 of its 32 layers at 64 tokens: the whole 8B trace takes 9 s of CPU",
     ),
     (
-        "tolerance=0.05)",
-        'tolerance=0.05, device="sim:16MiB")',
-        "the same: a host model's throughput search would time batches up to the host's free memory",
-    ),
-    ('device="cuda"', 'device="sim:64MiB"', "no GPU here: the simulated device stands in for it"),
-    (
-        "optimizer=optim.AdamW(learning_rate=1e-3))",
-        'optimizer=optim.AdamW(learning_rate=1e-3), device="mlx:4MiB")',
-        "without Metal, MLX's auto is 256 MiB: tens of seconds of CPU",
+        "TransformerEncoderLayer(512, 8, batch_first=True), num_layers=6)",
+        "TransformerEncoderLayer(512, 8, batch_first=True), num_layers=2)",
+        "2 of the 6 layers: a trace's cost is its ops, 7 s of CPU for the six-layer search",
     ),
 )
 
 # What every snippet takes for granted: the user's model, data and loss, made small.
 USER_SETUP = """
+from batchfit.parallel.models import LLM_PRESETS
 import torch
 import batchfit as bf
 from torch.utils.data import DataLoader, TensorDataset

@@ -60,6 +60,7 @@ def _describe(outcome: Outcome) -> str:
     return f"{outcome.case}/{outcome.method}: {outcome.kind} at op {outcome.op_index} ({outcome.fired_phase}): {found}"
 
 
+@pytest.mark.slow  # a campaign: make reliability runs it
 def test_faults_anywhere_in_a_trial_leave_state_bytes_and_the_edge_intact():
     campaign = run_campaign(INJECTIONS, seed=SEED)
     figures = campaign.figures()
@@ -156,6 +157,7 @@ def test_the_bad_input_table_covers_every_kind_of_mistake():
     assert sum(case.surface == "CLI" for case in working) >= 25
 
 
+@pytest.mark.slow  # a campaign: make reliability runs it
 def test_searches_in_a_row_grow_neither_device_nor_process_memory():
     run = run_endurance(ENDURANCE_SEARCHES, CAMPAIGN_CASES, warmup=ENDURANCE_WARMUP, seed=SEED)
     figures = run.figures(ENDURANCE_WARMUP)

@@ -264,6 +264,7 @@ def _records(path: Path) -> list[dict]:
         return []
 
 
+@pytest.mark.slow  # a campaign: make reliability runs it
 def test_a_sweep_killed_midway_resumes_to_identical_results(tmp_path, monkeypatch):
     script = tmp_path / "run.py"
     script.write_text(KILLABLE.format(tests=str(Path(__file__).parent), capacity=CAPACITY))
