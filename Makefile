@@ -10,11 +10,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# torch is pinned to the local CPU wheel first, so the project's `torch>=2.2` installs nothing more. --no-compile:
-# Python compiles what is imported when it is first imported, not all of torch at install (17 s less).
+# torch is pinned to the local CPU wheel first, so the project's `torch>=2.2` installs nothing more.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet --no-compile torch==2.13.0
-	$(BIN)/pip install --quiet --no-compile -e ".[test,plot,lightning,transformers,mlx,docs]"
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[test,plot,lightning,transformers,mlx,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)
