@@ -91,6 +91,7 @@ def test_bad_micro_batch_size():
         GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=0)
 
 
+@pytest.mark.slow  # the shared torchrun launch: make reliability runs it
 def test_under_ddp_with_two_gloo_ranks_the_gradient_is_the_full_batch_gradient(tmp_path_factory):
     out = ddp_output("ddp_accumulation", tmp_path_factory) / "out"  # the launch ddp_suite.py shares
     result = json.loads(out.read_text())

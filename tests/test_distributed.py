@@ -25,6 +25,7 @@ from models import decoder
 AGREEMENT_TIMEOUT_SECONDS = 5  # how long a rank waits in an agreement for a rank that stopped
 
 
+@pytest.mark.slow  # the shared torchrun launch: make reliability runs it
 def test_ranks_agree_on_the_size_and_shrink_together(tmp_path_factory):
     out = ddp_output("ddp_agreement", tmp_path_factory) / "out"
     first, second = json.loads(out.read_text())
@@ -87,6 +88,7 @@ def test_a_rank_that_dies_makes_the_other_fail_clearly_within_the_timeout(tmp_pa
     assert outcome["seconds"] < 60
 
 
+@pytest.mark.slow  # the shared torchrun launch: make reliability runs it
 def test_a_trial_that_raises_on_one_rank_stops_the_others_at_once_naming_it(tmp_path_factory):
     out = ddp_output("ddp_raised_trial", tmp_path_factory) / "out"
     first, second = json.loads(out.read_text())
@@ -109,6 +111,7 @@ def test_a_trial_that_raises_on_one_rank_stops_the_others_at_once_naming_it(tmp_
     assert first["step_none"] == second["step_none"] == "trained"
 
 
+@pytest.mark.slow  # the shared torchrun launch: make reliability runs it
 def test_a_sweep_under_torchrun_agrees_writes_once_and_caches(tmp_path_factory):
     folder = ddp_output("ddp_sweep", tmp_path_factory)
     out = folder / "out"
@@ -124,6 +127,7 @@ def test_a_sweep_under_torchrun_agrees_writes_once_and_caches(tmp_path_factory):
     assert [r["batch_size_used"] for r in saved["summary"]] == expected
 
 
+@pytest.mark.slow  # the shared torchrun launch: make reliability runs it
 def test_the_noise_scale_over_two_ranks_equals_two_micro_batches_on_one(tmp_path_factory):
     from torch.nn import functional as F
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from batchfit.parallel.fit import largest_batch_size
 from batchfit.parallel.models import TinyBlock
 from batchfit.parallel.settings import Parallelism
@@ -26,6 +28,7 @@ def _within_gloo_timing(real: int, fake: int) -> bool:
     return fake <= real <= fake + _one_block_bytes() + 4096
 
 
+@pytest.mark.slow  # the shared torchrun launch: make reliability runs it
 def test_ranks_agree_under_fsdp2_on_the_size_the_fake_trace_predicts(tmp_path_factory) -> None:
     first, second = json.loads((ddp_output("fsdp_find", tmp_path_factory) / "out").read_text())
     assert first["found"] == second["found"] and first["trials"] == second["trials"]  # one agreed search

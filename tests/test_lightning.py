@@ -188,6 +188,7 @@ def test_the_result_speaks_the_shared_vocabulary_and_the_old_names_still_read():
         assert result.one_step is result.one_step_search
 
 
+@pytest.mark.slow  # the shared torchrun launch: make reliability runs it
 def test_ranks_agree_under_ddp(tmp_path_factory):
     out = ddp_output("ddp_lightning", tmp_path_factory) / "out"  # the launch ddp_suite.py shares
     first, second = (json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1))

@@ -26,6 +26,7 @@ def _fake_traces(ranks: int) -> dict[str, ShardedEstimate]:
     }
 
 
+@pytest.mark.slow  # the shared torchrun launch: make reliability runs it
 def test_fake_trace_matches_real_fsdp2_under_torchrun_on_every_rank(tmp_path_factory) -> None:
     """Real FSDP2 with gloo releases a reduce-scatter buffer when gloo's worker thread lets go of
     it, which is sometimes after FSDP2's next op: a real step's peak then holds one block's buffer
