@@ -143,3 +143,11 @@ def test_every_new_command_shows_an_example():
     for args in (["sweep"], ["cache"], ["cache", "list"], ["cache", "clear"]):
         result = invoke(*args, "--help")
         assert result.exit_code == 0 and "Example: batchfit" in result.output
+
+
+def test_a_sweep_where_no_configuration_fits_prints_its_table_then_exits_2_in_one_line(tmp_path):
+    out = tmp_path / "sweep.json"
+    result = invoke("sweep", "gpt-tiny", "--grid", "seq_len=64,128", "--device", "sim:1MiB", "--json", str(out))
+    assert result.exit_code == 2, result.output
+    assert "Nothing fitted for" in result.output and out.exists()  # the table and the results file come first
+    assert result.stderr.startswith("error: no configuration fitted on sim:1.0MiB") and result.stderr.count("\n") == 1

@@ -25,6 +25,7 @@ from batchfit.cli.workloads import load_workload
 from batchfit.cli.workloads import resolve_factory
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
+from batchfit.errors import NoBatchFitsError
 from batchfit.search.cache import ResultCache
 from batchfit.search.strategies import STRATEGIES
 from batchfit.sweep.api import sweep_grid as run_sweep
@@ -170,6 +171,12 @@ def sweep(
     console.print(f"[bold green]{escape(result.summary(seconds=time.perf_counter() - start))}[/]")
     if json_path is not None:
         console.print(f"Wrote {json_path}")
+    if result.records and all(record.get("error") for record in result.records):
+        raise NoBatchFitsError(
+            f"no configuration fitted on {result.device} (the table says why for each): "
+            "give more memory (e.g. a larger sim: capacity) or smaller configurations",
+            [],
+        )
 
 
 def sweep_table(result: SweepResult) -> Table:
