@@ -211,15 +211,11 @@ def test_it_grows_back_after_clean_steps_but_never_above_a_failure():
 def test_without_a_size_it_finds_one_on_the_first_batch():
     model, batch = model_and_batch()
     capacity = (step_peak("sgd", 16) + step_peak("sgd", 32)) // 2
-    found = bf.find_max_batch_size(
-        model,
-        batch,
-        loss_fn=F.mse_loss,
-        optimizer=make_optimizer("sgd", model),
-        device=bf.SimulatedDevice(capacity),
-        max_batch_size=GLOBAL,
-        keep_output=False,  # the Microbatcher's own loop: its loss call drops the output
-    )
+    # The Microbatcher's own loop: its loss call drops the output, a later micro-batch runs with the
+    # window's gradients alive, and the whole batch stays on the device beside it (headroom: its bytes).
+    work = bf.Workload(model, batch, F.mse_loss, make_optimizer("sgd", model), keep_output=False, accumulating=True)
+    held = sum(tensor.untyped_storage().nbytes() for tensor in batch)
+    found = bf.search_workload(work, device=bf.SimulatedDevice(capacity), max_batch_size=GLOBAL, margin=held)
     batcher = Microbatcher(model, make_optimizer("sgd", model), loss_fn=F.mse_loss, device=bf.SimulatedDevice(capacity))
     batcher.step(batch)
     assert batcher.history[0].micro_batch_size == found.batch_size and batcher.history[0].samples == GLOBAL
@@ -501,7 +497,7 @@ def test_a_step_record_says_what_happened_in_a_sentence_and_as_json():
 
 def test_the_first_search_takes_the_keywords_of_find_max_batch_size(monkeypatch, tmp_path):
     model, batch = model_and_batch()
-    capacity = (step_peak("sgd", 16) + step_peak("sgd", 32)) // 2
+    capacity = 2 * step_peak("sgd", 32)  # room for the 30% margin beside the whole batch and the window's gradients
     keywords = {"min_batch_size": 2, "strategy": "binary", "margin": 0.3, "max_trials": 20, "steps": 3, "trace": False}
     found = bf.find_max_batch_size(
         model,
@@ -530,8 +526,9 @@ def test_the_first_search_takes_the_keywords_of_find_max_batch_size(monkeypatch,
     )
     batcher.step(batch)
     ((workload, settings),) = seen
-    assert settings == bf.SearchSettings(max_batch_size=GLOBAL, cache=tmp_path, **keywords)
-    assert workload.amp_dtype == torch.bfloat16 and batcher.settings.search.margin == 0.3
+    held = int(0.3 * capacity) + sum(tensor.untyped_storage().nbytes() for tensor in batch)  # the margin, and the batch
+    assert settings == bf.SearchSettings(max_batch_size=GLOBAL, cache=tmp_path, **{**keywords, "margin": held})
+    assert workload.amp_dtype == torch.bfloat16 and workload.accumulating and batcher.settings.search.margin == 0.3
     assert batcher.settings.micro_batch_size is None and batcher.current_micro_batch_size is not None
 
 
@@ -565,3 +562,17 @@ def test_the_arguments_follow_find_max_batch_size():
         assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
     for name in ("min_batch_size", "strategy", "margin", "max_trials", "steps", "trace", "cache"):
         assert parameters[name].default == inspect.signature(bf.find_max_batch_size).parameters[name].default
+
+
+def test_the_searched_micro_batch_runs_with_the_windows_gradients_and_the_whole_batch_held():
+    # The whole batch is on the device while its micro-batches run, and a later micro-batch runs with the
+    # window's gradients alive: a search of a plain step chose 548 here, which ran out of memory in step 1.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    batcher = bf.Microbatcher(model, optimizer, loss_fn=torch.nn.CrossEntropyLoss(), device="sim:2MiB")
+    for _ in range(3):
+        inputs = torch.randn(1024, 64)
+        batcher.step((inputs, inputs[:, :10].argmax(dim=1)))
+    assert [record.ooms for record in batcher.history] == [0, 0, 0]
+    assert 1 < batcher.history[0].micro_batches == batcher.history[-1].micro_batches  # it accumulates, unchanged

@@ -27,9 +27,11 @@ from batchfit.search import distributed
 from batchfit.search.cached import CacheSpec
 from batchfit.search.runner import search_workload
 from batchfit.search.settings import SearchSettings
+from batchfit.search.settings import margin_bytes
 from batchfit.search.strategies import Strategy
 from batchfit.step.batching import batch_length
 from batchfit.step.batching import slice_batch
+from batchfit.step.batching import tensor_leaves
 from batchfit.step.compiled import runnable
 from batchfit.step.state import StateSnapshot
 from batchfit.step.workload import Workload
@@ -352,9 +354,14 @@ class Microbatcher:
         return self.current_micro_batch_size
 
     def _search(self, batch: Any) -> int:
-        """The largest micro-batch of ``batch`` that fits, by the library's search (at most the whole batch)."""
+        """The largest micro-batch of ``batch`` that fits, by the library's search (at most the whole batch),
+        as a later micro-batch of the window runs: the window's gradients alive, and the whole batch on the
+        device beside it (the search's sample is host data, so its bytes are kept as headroom here)."""
         search = self.settings.search
-        settings = search.replace(max_batch_size=max(batch_length(batch), search.min_batch_size))
+        settings = search.replace(
+            max_batch_size=max(batch_length(batch), search.min_batch_size),
+            margin=self._margin_with(batch, search.margin),
+        )
         workload = Workload(
             self.model,
             batch,
@@ -363,8 +370,19 @@ class Microbatcher:
             amp_dtype=self.settings.amp_dtype,
             step_fn=self.step_fn,
             keep_output=False,  # this loop's loss call drops the output before backward
+            accumulating=True,  # a later micro-batch runs with the window's gradients alive
         )
         return search_workload(workload, settings, device=self.device).batch_size
+
+    def _margin_with(self, batch: Any, margin: int | float | str) -> int | float | str:
+        """``margin`` in bytes plus those of ``batch``'s storages on the device the search measures (a
+        batch on the host, moved there a micro-batch at a time, takes none of its memory). A little
+        conservative: the micro-batches are views of that batch, where a trial's batch is its own."""
+        device = resolve_device(self.device, self.model)
+        held = sum(
+            leaf.untyped_storage().nbytes() for leaf in tensor_leaves(batch) if leaf.device == device.torch_device
+        )
+        return margin_bytes(margin, device.capacity_bytes()) + held if held else margin
 
     def _accumulate(
         self, batch: Any, slices: list[tuple[int, int]], size: int, local_only: bool = False
