@@ -10,10 +10,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# torch is pinned to the local CPU wheel first, so the project's `torch>=2.2` installs nothing more.
+# torch is pinned to the local CPU wheel first, so the project's `torch>=2.2` installs nothing more. The rest is
+# installed without compiling every module (--no-compile): the tests import a few of transformers' thousands.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[test,plot,lightning,transformers,mlx,docs]"
+	$(BIN)/pip install --quiet --no-compile -e ".[test,plot,lightning,transformers,mlx,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)
