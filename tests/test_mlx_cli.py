@@ -56,6 +56,7 @@ def test_find_mlx_mlp_writes_json_that_matches_the_schema(tmp_path):
     fitted = {t["batch_size"] for t in document["trials"] if t["fits"]}
     assert document["batch_size"] in fitted and document["batch_size"] + 1 not in fitted
     assert "mlx-mlp (0.33M parameters, Adam) on mlx:cpu:12.0MiB" in result.output
+    assert "(choose with --device mlx:CAPACITY)" in result.output  # an MLX device's own spelling, not sim:
     assert f"Largest batch size that fits on mlx:cpu:12.0MiB: {document['batch_size']}" in result.output
 
 

@@ -163,5 +163,9 @@ def header_line(workload: Any, device: Any, command: str = "find") -> str:
     if getattr(workload, "loop", None):
         line += f"\nLoop: {escape(workload.loop)} (--keep-output/--drop-output choose)."
     if device.simulated:
-        line += f"\n[yellow]Simulated:[/] a {format_bytes(device.capacity_bytes())} device on the CPU, not a GPU measurement (choose with --device sim:CAPACITY)."
+        choose = "mlx:CAPACITY" if device.name.startswith("mlx:") else "sim:CAPACITY"
+        line += (
+            f"\n[yellow]Simulated:[/] a {format_bytes(device.capacity_bytes())} device on the CPU, not a GPU "
+            f"measurement (choose with --device {choose})."
+        )
     return line
