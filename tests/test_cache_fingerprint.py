@@ -206,6 +206,7 @@ print(fingerprint(fingerprint_fields(gpt_tiny(), bf.SimulatedDevice("64MiB"), {}
 """
 
 
+@pytest.mark.slow  # a second Python process: make reliability runs it
 def test_a_step_with_captured_values_has_the_same_key_in_another_process():
     procs = [  # two processes at once, with hash seeds that order the sets differently
         subprocess.Popen(

@@ -54,6 +54,7 @@ def loader(inputs, targets, batch_size: int, seed: int = 0):
         yield inputs[rows], targets[rows]
 
 
+@pytest.mark.slow  # an accuracy campaign against brute force: make reliability runs it
 def test_the_estimate_matches_brute_force_within_two_percent():
     model, inputs, targets = regression()
     grad_norm_sq, trace_sigma = brute_force(model, inputs, targets)
