@@ -87,4 +87,4 @@ def test_a_sharded_plan_needs_a_gpu_preset_or_size():
     result = invoke("plan", "llama-3-8b", "--gpus", "8", "--global-batch-tokens", "4M")
     assert result.exit_code == 2 and "give --gpu (e.g. --gpu h100-80gb)" in result.stderr
     result = invoke("plan", "llama-3-8b", "--gpus", "8", "--gpu", "h200-9000")
-    assert result.exit_code == 2 and "neither a GPU preset" in result.stderr
+    assert result.exit_code == 2 and "is neither a size like '40GiB' nor a GPU preset" in result.stderr

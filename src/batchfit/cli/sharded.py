@@ -51,21 +51,12 @@ def capacity_of(capacity: str) -> tuple[int, str]:
     >>> capacity_of("64MiB")
     (67108864, 'a 64.0 MiB device')
     """
-    from batchfit.devices.presets import ACCELERATORS
     from batchfit.devices.presets import is_preset
     from batchfit.devices.presets import preset
-    from batchfit.devices.presets import usable_bytes
-    from batchfit.devices.units import parse_bytes
+    from batchfit.devices.trace import trace_capacity_bytes
 
-    if is_preset(capacity):
-        return usable_bytes(capacity), preset(capacity).label
-    try:
-        capacity_bytes = parse_bytes(capacity, what="capacity")
-    except InputError:
-        raise InputError(
-            f"{capacity!r} is neither a GPU preset ({', '.join(sorted(ACCELERATORS))}) nor a size such as 80GiB"
-        ) from None
-    return capacity_bytes, f"a {format_bytes(capacity_bytes)} device"
+    capacity_bytes = trace_capacity_bytes(capacity)  # a one-line error names both forms
+    return capacity_bytes, preset(capacity).label if is_preset(capacity) else f"a {format_bytes(capacity_bytes)} device"
 
 
 def wants_sharded(workload: str, gpus: int | None, nodes: int | None, fsdp: bool, hybrid_shard: bool) -> bool:
