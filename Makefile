@@ -6,14 +6,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test lint docs bench reliability clean
 
+# Some machines set PYTHONDONTWRITEBYTECODE, which would make every process compile the same modules again.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# torch is pinned to the local CPU wheel first, so the project's `torch>=2.2` installs nothing more. The rest is
-# installed without compiling every module (--no-compile): the tests import a few of transformers' thousands.
+# torch is pinned to the local CPU wheel first, so the project's `torch>=2.2` installs nothing more. Nothing is
+# compiled at install (--no-compile): the tests import a fraction of torch's and transformers' modules, and Python
+# writes the bytecode of those on first import (PYTHONDONTWRITEBYTECODE is unset below for that reason).
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet --no-compile torch==2.13.0
 	$(BIN)/pip install --quiet --no-compile -e ".[test,plot,lightning,transformers,mlx,docs]"
 	touch $(STAMP)
 

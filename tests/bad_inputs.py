@@ -272,7 +272,9 @@ def _populate(tmp: Path, files: dict[str, bytes | None]) -> None:
 
 
 def _contents(tmp: Path) -> dict[str, bytes | None]:
-    return {str(p.relative_to(tmp)): None if p.is_dir() else p.read_bytes() for p in sorted(tmp.rglob("*"))}
+    """Every file under ``tmp`` but Python's own byte cache, which importing a user's module writes."""
+    paths = (p for p in sorted(tmp.rglob("*")) if "__pycache__" not in p.parts)
+    return {str(p.relative_to(tmp)): None if p.is_dir() else p.read_bytes() for p in paths}
 
 
 def _check_library(case: BadInput, tmp: Path, seen: list[str]) -> list[str]:
