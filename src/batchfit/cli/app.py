@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchfit._version import versions
+from batchfit.cli import one_rank
 from batchfit.cli import sharded
 from batchfit.cli.common import AmpOption
 from batchfit.cli.common import CacheDir
@@ -97,16 +98,37 @@ def find(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of peak memory against batch size here.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the batch size.")] = False,
+    gpus: sharded.Gpus = None,
+    nodes: sharded.Nodes = None,
+    gpus_per_node: sharded.GpusPerNode = None,
+    fsdp: sharded.Fsdp = False,
+    hybrid_shard: sharded.HybridShard = False,
+    param_dtype: sharded.ParamDtype = None,
+    reduce_dtype: sharded.ReduceDtype = None,
+    activation_checkpointing: sharded.Checkpointing = "none",
+    rank: one_rank.Rank = 0,
     debug: Debug = False,
 ) -> None:
-    """Find the largest batch size that really fits: every answer is a size a trial ran."""
-    work, options = load_for_cli(
-        workload, seq_len, image_size, amp, framework.value if framework else None, keep_output
-    )
-    dev = device_for(work, device)
+    """Find the largest batch size that really fits: every answer is a size a trial ran.
+
+    With --gpus N (or --nodes and --gpus-per-node), a model built from its config (an LLM preset
+    or a config.json) is sharded with FSDP2 over a fake process group of N ranks, and one rank's
+    real trials run on this device: the largest micro-batch per rank."""
+    if sharded.wants_sharded(workload, gpus, nodes, fsdp, hybrid_shard):
+        world = sharded.world_size_of(gpus, nodes, gpus_per_node)
+        choices = sharded.parallelisms(world, hybrid_shard, param_dtype, reduce_dtype, activation_checkpointing)
+        work, options = one_rank.rank_workload(workload, seq_len, choices, rank)
+        dev = device_for(work, device)
+        heading = one_rank.header(work, dev)
+    else:
+        work, options = load_for_cli(
+            workload, seq_len, image_size, amp, framework.value if framework else None, keep_output
+        )
+        dev = device_for(work, device)
+        heading = header_line(work, dev)
     check_outputs(json_path, plot)
     if not quiet:
-        console.print(header_line(work, dev))
+        console.print(heading)
     done: list[Trial] = []
     try:
         result = _search_live(
@@ -126,6 +148,10 @@ def find(
     except KeyboardInterrupt:
         _interrupted(done, dev)
         raise typer.Exit(130) from None
+    if hasattr(work, "parallelism"):
+        from batchfit.parallel.one_rank import with_mode
+
+        result = with_mode(result, work)
     if quiet:
         console.print(result.batch_size)
     else:

@@ -1,6 +1,7 @@
 """Sharded training (FSDP2) per rank, without the hardware: the world size and sharding settings,
 a fake process group of any size, models built from their configs without memory, and one rank's
-memory traced with torch's own ``fully_shard`` on fake tensors.
+memory traced with torch's own ``fully_shard`` on fake tensors; and one rank's real trials at any
+world size over the same fake process group (``find_rank_batch_size``).
 
 May import ``step``, ``devices``, ``search`` and ``errors``; never ``cli`` or ``integrations``.
 transformers is imported only inside the functions that build a Hugging Face model.
@@ -13,6 +14,9 @@ from batchfit.parallel.fit import largest_batch_size
 from batchfit.parallel.models import LLM_PRESETS
 from batchfit.parallel.models import TinyTransformer
 from batchfit.parallel.models import model_config
+from batchfit.parallel.one_rank import RankWorkload
+from batchfit.parallel.one_rank import find_rank_batch_size
+from batchfit.parallel.one_rank import probe_rank_batch_size
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import RankSession
 from batchfit.parallel.trace import ShardedEstimate
@@ -24,10 +28,13 @@ __all__ = [
     "LargestBatch",
     "Parallelism",
     "RankSession",
+    "RankWorkload",
     "ShardedEstimate",
     "TinyTransformer",
     "fake_world",
+    "find_rank_batch_size",
     "largest_batch_size",
     "model_config",
+    "probe_rank_batch_size",
     "trace_rank",
 ]

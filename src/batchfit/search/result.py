@@ -96,8 +96,9 @@ class SearchResult:
         if lines:
             sizes = " and ".join(str(size) for size in lines["from"])
             after = f" (the lines of the trials at {sizes} put the edge at {lines['batch_size']})"
+        mode = f" per rank ({self.extra['mode']})" if self.extra.get("mode") else ""
         return (
-            f"Largest batch size that fits on {self.device}: {self.batch_size} "
+            f"Largest batch size that fits on {self.device}: {self.batch_size}{mode} "
             f"(peak {format_bytes(self.peak_bytes)} of {format_bytes(self.capacity_bytes)}), "
             f"found by '{self.strategy}' in {len(self.trials)} trials{after}, {self.oom_trials} out of memory, "
             f"{self.seconds:.1f} s{exact}{self._evidence_clause()}."

@@ -1,0 +1,282 @@
+"""Real trials of one rank at world size N, on the one device a user has.
+
+torch's fake process group lets FSDP2 run one rank's training step with real tensors at any world
+size: collectives return at once and move no data, everything else (the rank's shards, the
+all-gathered parameters, the reduce-scatter buffers, activations, optimizer state) is allocated
+as on a real rank. The model is built on ``meta``, sharded with ``fully_shard`` (``shard_model``),
+and only this rank's shards are materialised on the device (``to_empty``, then the model's own
+initialisation), so a model far larger than the device is tried as long as one rank's share fits.
+
+A ``RankWorkload`` declares its own search backend, so ``search_workload`` runs the usual search
+over it (strategies, ``max_trials``/``max_seconds``, progress) and each trial is the usual
+``Prober`` trial of the sharded model: state restored after every trial, only real
+out-of-memory errors counted. What it does not see: collectives do not run (NCCL's own buffers
+are not counted), and gathered parameters and reduced gradients hold whatever memory held
+(values, not sizes, are wrong; the memory is the same).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from batchfit.devices.base import Device
+from batchfit.devices.resolve import resolve_device
+from batchfit.devices.trace import TraceDevice
+from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
+from batchfit.parallel.models import ModelSpec
+from batchfit.parallel.models import model_builder
+from batchfit.parallel.settings import Parallelism
+from batchfit.parallel.trace import OptimizerFactory
+from batchfit.parallel.trace import default_optimizer
+from batchfit.parallel.world import fake_world
+from batchfit.parallel.wrap import shard_model
+from batchfit.search.prober import Prober
+from batchfit.search.result import SearchResult
+from batchfit.search.runner import search_workload
+from batchfit.search.settings import SearchSettings
+from batchfit.search.trial import Trial
+from batchfit.step.workload import Workload
+
+TOKEN_BYTES = 8  # token ids are int64
+
+
+@dataclass(frozen=True)
+class RankWorkload:
+    """One rank of ``parallelism`` training a language model built from ``model`` (a preset, a
+    config.json path, a transformers config or dict, or a function returning an ``nn.Module``) on
+    micro-batches of ``seq_len`` token ids, for real trials over torch's fake process group.
+
+    >>> from batchfit.parallel.models import TinyTransformer
+    >>> work = RankWorkload(TinyTransformer, 16, Parallelism(world_size=4))
+    >>> work.name, work.mode()
+    ('TinyTransformer', 'one rank of 4, real trials; collectives not run, NCCL buffers not counted')
+    """
+
+    model: ModelSpec
+    seq_len: int
+    parallelism: Parallelism
+    dtype: torch.dtype = torch.float32
+    optimizer: OptimizerFactory | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.parallelism, Parallelism):
+            raise InputTypeError(f"parallelism must be a batchfit Parallelism, got {type(self.parallelism).__name__}")
+        if self.parallelism.sharding == "ddp":
+            raise InputError(
+                "one-rank trials run FSDP2 over a fake process group, and DDP's reducer needs real collectives: "
+                "use sharding='fsdp', 'hybrid' or 'none', or probe real DDP under torchrun"
+            )
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise InputError(f"seq_len must be an integer of at least 1, got {self.seq_len!r}")
+
+    @property
+    def name(self) -> str:
+        spec = self.model
+        return spec if isinstance(spec, str) else getattr(spec, "__name__", type(spec).__name__)
+
+    def mode(self) -> str:
+        """What the trials are, in one phrase (for the result, the JSON and the CLI)."""
+        return f"one rank of {self.parallelism.world_size}, real trials; collectives not run, NCCL buffers not counted"
+
+    def parameter_count(self) -> int:
+        """The whole model's parameters (all ranks'), counted on a ``meta`` build: nothing allocated."""
+        with torch.device("meta"):
+            model = model_builder(self.model, self.dtype)()
+        return sum(p.numel() for p in model.parameters())
+
+    def backend(self) -> RankBackend:
+        return ONE_RANK
+
+
+def _initialise(model: nn.Module) -> None:
+    """Give the materialised shards (and buffers) values as the model's own code does: a
+    transformers or torchtitan model's ``init_weights()``, else every module's ``reset_parameters()``."""
+    with warnings.catch_warnings():  # DTensor warns that random ops on a CPU mesh may differ: values only
+        warnings.filterwarnings("ignore", "DTensor random operators", UserWarning)
+        init_weights = getattr(model, "init_weights", None)
+        if callable(init_weights):
+            init_weights()
+            return
+        with torch.no_grad():
+            for module in model.modules():
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+
+
+def local_shards(work: RankWorkload, mesh: Any, device: torch.device) -> nn.Module:
+    """The model of ``work`` built on ``meta``, sharded over ``mesh``, and only this rank's shards
+    (with the buffers) materialised on ``device`` and initialised."""
+    with torch.device("meta"):
+        model = model_builder(work.model, work.dtype)()
+    shard_model(model, mesh, work.parallelism)
+    model.to_empty(device=device)
+    _initialise(model)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False  # training builds no generation cache (the trace passes use_cache=False)
+    return model
+
+
+def _vocab_size(model: nn.Module) -> int:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is None:
+        embeddings = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embeddings is None:
+        raise InputError(f"{type(model).__name__} has no token embedding: one-rank trials feed token ids")
+    return embeddings.num_embeddings
+
+
+def _plain_loss(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.flatten(0, 1).float(), batch.flatten())
+
+
+def rank_step_workload(model: nn.Module, optimizer: torch.optim.Optimizer, seq_len: int) -> Workload:
+    """The training step of a language model as a ``Workload``: a transformers model gets
+    ``{"input_ids", "labels"}`` and uses its own loss; a plain one gets the ids and cross-entropy
+    of its logits (what ``trace_rank`` runs). The output stays alive through backward."""
+    ids = torch.randint(0, _vocab_size(model), (1, seq_len))
+    if hasattr(model, "config") and hasattr(model, "loss_function"):
+        return Workload(model, {"input_ids": ids, "labels": ids}, optimizer=optimizer)
+    return Workload(model, ids, loss_fn=_plain_loss, optimizer=optimizer)
+
+
+class RankProber:
+    """The trials of a ``RankWorkload``: entering starts the fake world, builds the rank's shards
+    on the device and a torch ``Prober`` over them; leaving restores and destroys it all."""
+
+    def __init__(self, work: RankWorkload, device: Device, *, steps: int, limit_bytes: int | None):
+        self.work, self.device, self.steps, self.limit_bytes = work, device, steps, limit_bytes
+        self.compile_watch = None
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> RankProber:
+        with contextlib.ExitStack() as stack:
+            torch_device = self.device.torch_device
+            mesh = stack.enter_context(fake_world(self.work.parallelism, torch_device.type))
+            model = local_shards(self.work, mesh, torch_device)
+            optimizer = (self.work.optimizer or default_optimizer)(model.parameters())
+            inner = Prober(
+                rank_step_workload(model, optimizer, self.work.seq_len),
+                self.device,
+                steps=self.steps,
+                limit_bytes=self.limit_bytes,
+            )
+            self._prober = stack.enter_context(inner)
+            self.baseline_bytes = self._prober.baseline_bytes
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        stack, self._stack, self._prober = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+    def probe(self, batch_size: int) -> Trial:
+        return self._prober.probe(batch_size)
+
+
+class RankBackend:
+    """The search backend of a ``RankWorkload``: torch devices, ``RankProber`` trials, no trace
+    first (the fake-tensor estimate of a rank is ``trace_rank``/``largest_batch_size``)."""
+
+    name = "torch"
+
+    def resolve_device(self, workload: RankWorkload, spec: Any) -> Device:
+        device = resolve_device("auto" if spec is None else spec, None)
+        if isinstance(device, TraceDevice):
+            raise InputError(
+                "one-rank trials run real tensors: give a real or simulated device (cuda, cpu, sim:8GiB); "
+                "for the fake-tensor estimate use batchfit.parallel.largest_batch_size or batchfit estimate"
+            )
+        return device
+
+    def bytes_per_sample(self, workload: RankWorkload) -> int:
+        return workload.seq_len * TOKEN_BYTES
+
+    def prober(self, workload: RankWorkload, device: Device, *, steps: int, limit_bytes: int | None) -> RankProber:
+        return RankProber(workload, device, steps=steps, limit_bytes=limit_bytes)
+
+    def auto_strategy(self, device: Device) -> str:
+        return "auto"
+
+    def is_trace(self, device: Device) -> bool:
+        return False
+
+    def can_trace(self, workload: RankWorkload) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "RankBackend()"
+
+
+ONE_RANK = RankBackend()
+
+
+def find_rank_batch_size(
+    model: ModelSpec,
+    seq_len: int,
+    *,
+    parallelism: Parallelism,
+    device: Any = None,
+    dtype: torch.dtype = torch.float32,
+    optimizer: OptimizerFactory | None = None,
+    settings: SearchSettings | None = None,
+    **options: Any,
+) -> SearchResult:
+    """The largest micro-batch of ``seq_len`` tokens per rank that really fits on ``device``, from
+    real trials of one rank (``parallelism.rank``) of ``parallelism.world_size`` over torch's fake
+    process group (see the module). ``settings``/``options`` are ``find_max_batch_size``'s search
+    settings (``strategy``, ``margin``, ``max_trials``, ``max_seconds``, ``steps``, ...).
+    ``result.extra["mode"]`` says what the trials were.
+
+    >>> from batchfit.parallel.models import TinyTransformer
+    >>> result = find_rank_batch_size(TinyTransformer, 16, parallelism=Parallelism(world_size=4),
+    ...                               device="sim:4MiB")
+    >>> result.batch_size > 0 and result.trials[-1].batch_size in (result.batch_size, result.batch_size + 1)
+    True
+    """
+    work = RankWorkload(model, seq_len, parallelism, dtype, optimizer)
+    result = search_workload(work, settings, device=device, **options)
+    return with_mode(result, work)
+
+
+def with_mode(result: SearchResult, work: RankWorkload) -> SearchResult:
+    """``result`` with ``extra["mode"]`` (what the trials were) and ``extra["parallelism"]`` (the settings)."""
+    extra = {**result.extra, "mode": work.mode(), "parallelism": work.parallelism.to_dict()}
+    return dataclasses.replace(result, extra=extra)
+
+
+def probe_rank_batch_size(
+    model: ModelSpec,
+    seq_len: int,
+    batch_size: int,
+    *,
+    parallelism: Parallelism,
+    device: Any = None,
+    dtype: torch.dtype = torch.float32,
+    optimizer: OptimizerFactory | None = None,
+    steps: int = 2,
+    margin: int | float | str = 0,
+) -> Trial:
+    """One real trial of one rank at micro-batch ``batch_size`` (see ``find_rank_batch_size``).
+
+    >>> from batchfit.parallel.models import TinyTransformer
+    >>> trial = probe_rank_batch_size(TinyTransformer, 16, 2, parallelism=Parallelism(world_size=2),
+    ...                               device="sim:64MiB")
+    >>> trial.fits, trial.steps
+    (True, 2)
+    """
+    from batchfit.search.runner import probe_workload
+
+    work = RankWorkload(model, seq_len, parallelism, dtype, optimizer)
+    return probe_workload(work, batch_size, device=device, steps=steps, margin=margin)

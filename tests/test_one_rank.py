@@ -1,0 +1,118 @@
+"""Real trials of one rank at world size N over torch's fake process group (batchfit.parallel.one_rank)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from batchfit.devices.simulated import SimulatedDevice
+from batchfit.devices.trace import TraceDevice
+from batchfit.errors import InputError
+from batchfit.parallel import Parallelism
+from batchfit.parallel import trace_rank
+from batchfit.parallel.one_rank import RankProber
+from batchfit.parallel.one_rank import RankWorkload
+from batchfit.parallel.one_rank import find_rank_batch_size
+from batchfit.parallel.one_rank import probe_rank_batch_size
+from batchfit.parallel.world import fake_world
+from fsdp_cases import CASES
+from fsdp_cases import SMALL_LLAMA
+
+pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators")
+
+
+def _labels_bytes(spec, batch_size: int, seq_len: int) -> int:
+    """A transformers batch carries its labels as a tensor of their own (the trace passes the ids
+    again): int64 ids, in the simulated allocator's 512-byte blocks. A plain model has none."""
+    return 0 if callable(spec) else -(-batch_size * seq_len * 8 // 512) * 512
+
+
+@pytest.mark.parametrize(("name", "world_size"), [("tiny", 2), ("llama_checkpointed", 4)])
+def test_one_ranks_real_trial_peaks_where_the_fake_trace_does(name: str, world_size: int) -> None:
+    """The same rank, the same step: real tensors over the fake group (only its shards built) and
+    the fake-tensor trace agree to the byte, apart from a transformers batch's separate labels."""
+    case = CASES[name]
+    parallelism = case.parallelism(world_size, rank=world_size - 1)
+    trial = probe_rank_batch_size(
+        case.spec(), case.seq_len, case.batch_size, parallelism=parallelism, device="sim:256MiB"
+    )
+    fake = trace_rank(case.spec(), case.batch_size, case.seq_len, parallelism=parallelism)
+    labels = _labels_bytes(case.spec(), case.batch_size, case.seq_len)
+    assert trial.fits and trial.steps == 2
+    assert trial.peak_bytes == fake.peak_bytes + labels
+    assert not dist.is_initialized()  # the fake world is gone
+
+
+def test_the_search_lands_on_the_edge_that_single_trials_confirm() -> None:
+    """The whole sequence of sizes tried, and the answer checked by probing it and the size above
+    in fresh worlds."""
+    parallelism = Parallelism(world_size=4)
+    device = SimulatedDevice("4MiB")
+    result = find_rank_batch_size(SMALL_LLAMA | {"model_type": "llama"}, 16, parallelism=parallelism, device=device)
+    sizes = [t.batch_size for t in result.trials]
+    assert sizes[:2] == [2, 3]
+    assert result.exact and result.batch_size == max(t.batch_size for t in result.trials if t.fits)
+    assert result.extra["mode"].startswith("one rank of 4, real trials")
+    spec = SMALL_LLAMA | {"model_type": "llama"}
+    at = probe_rank_batch_size(spec, 16, result.batch_size, parallelism=parallelism, device=device)
+    above = probe_rank_batch_size(spec, 16, result.batch_size + 1, parallelism=parallelism, device=device)
+    assert at.fits and not above.fits
+    assert not dist.is_initialized()
+
+
+def test_only_this_ranks_shards_are_allocated() -> None:
+    """At 4 ranks the rank holds a quarter of the parameters (FSDP2 pads shards to one size)."""
+    work = RankWorkload(CASES["tiny"].spec(), 16, Parallelism(world_size=4))
+    with RankProber(work, SimulatedDevice("64MiB"), steps=2, limit_bytes=None) as prober:
+        local = sum(p.to_local().numel() for p in prober._prober.workload.model.parameters())
+    whole = work.parameter_count()
+    assert whole / 4 <= local <= whole / 4 + 4 * 64  # padding: at most a few rows per parameter
+
+
+def test_an_error_in_the_users_optimizer_propagates_and_the_world_is_destroyed() -> None:
+    def broken(params):
+        raise ValueError("my optimizer is broken")
+
+    work = RankWorkload(CASES["tiny"].spec(), 16, Parallelism(world_size=2), optimizer=broken)
+    with (
+        pytest.raises(ValueError, match="my optimizer is broken"),
+        RankProber(work, SimulatedDevice("64MiB"), steps=2, limit_bytes=None),
+    ):
+        pass
+    assert not dist.is_initialized()
+
+
+def test_bad_inputs_are_one_line() -> None:
+    tiny = CASES["tiny"].spec()
+    with pytest.raises(InputError, match="DDP's reducer needs real collectives"):
+        RankWorkload(tiny, 16, Parallelism(world_size=2, sharding="ddp"))
+    with pytest.raises(InputError, match="real or simulated device"):
+        find_rank_batch_size(tiny, 16, parallelism=Parallelism(world_size=2), device=TraceDevice("64MiB"))
+    with pytest.raises(InputError, match="rank must be an integer from 0 to world_size - 1 = 3"):
+        Parallelism(world_size=4, rank=4)
+    with fake_world(Parallelism(world_size=2)), pytest.raises(InputError, match="already initialised"):
+        probe_rank_batch_size(tiny, 16, 1, parallelism=Parallelism(world_size=2), device="sim:64MiB")
+
+
+def test_the_cli_runs_one_rank_and_says_what_it_measured(tmp_path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from batchfit.cli.app import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama.json").write_text(json.dumps(SMALL_LLAMA | {"model_type": "llama"}))
+    args = ["find", "llama.json", "--gpus", "2", "--device", "sim:4MiB", "--seq-len", "16", "--json", "out.json"]
+    result = CliRunner().invoke(app, [*args, "--max-trials", "3"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "One rank, real trials" in result.output and "rank 0 of 2, FSDP2 full shard" in result.output
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert document["mode"].startswith("one rank of 2") and document["parallelism"]["world_size"] == 2
+    assert [t["batch_size"] for t in document["trials"]][:2] == [2, 3]
+    wrong = CliRunner().invoke(app, ["find", "gpt-tiny", "--gpus", "2", "--device", "sim:4MiB"])
+    assert wrong.exit_code == 2 and "build the model from its config" in wrong.output
+    bad_rank = CliRunner().invoke(app, [*args[:6], "--rank", "2"])
+    assert bad_rank.exit_code == 2 and "rank must be an integer from 0 to world_size - 1 = 1" in bad_rank.output
+    assert torch.distributed.is_initialized() is False
