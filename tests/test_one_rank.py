@@ -116,3 +116,28 @@ def test_the_cli_runs_one_rank_and_says_what_it_measured(tmp_path, monkeypatch) 
     bad_rank = CliRunner().invoke(app, [*args[:6], "--rank", "2"])
     assert bad_rank.exit_code == 2 and "rank must be an integer from 0 to world_size - 1 = 1" in bad_rank.output
     assert torch.distributed.is_initialized() is False
+
+
+@pytest.mark.slow  # a plan traces its search, then two real trials: about 5 s of CPU
+def test_plan_verify_confirms_the_traced_answer_with_real_trials_at_it_and_above(tmp_path, monkeypatch) -> None:
+    """The traced micro-batch fits in one rank's real trial and the size above does not; the real
+    peak is the fake one plus the labels tensor the real batch carries."""
+    from typer.testing import CliRunner
+
+    from batchfit.cli.app import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama.json").write_text(json.dumps(SMALL_LLAMA | {"model_type": "llama"}))
+    args = ["plan", "llama.json", "--gpu", "4MiB", "--gpus", "2", "--seq-len", "16", "--global-batch-tokens", "1K"]
+    args += ["--activation-checkpointing", "none", "--verify", "--json", "plan.json"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "Verified on sim:4.0MiB" in result.output
+    verification = json.loads((tmp_path / "plan.json").read_text())["sharding"]["verification"]
+    at, above = verification["rows"]
+    assert above["batch_size"] == at["batch_size"] + 1
+    assert at["fits"] and not above["fits"]
+    assert at["difference_bytes"] == _labels_bytes(SMALL_LLAMA, at["batch_size"], 16)
+    assert verification["mode"] == "one rank, real trials"
+    refused = CliRunner().invoke(app, ["plan", "--micro-batch-size", "4", "--global-batch-size", "8", "--verify"])
+    assert refused.exit_code == 2 and "--verify confirms a plan traced on fake tensors" in refused.output

@@ -490,6 +490,14 @@ def plan(
     param_dtype: sharded.ParamDtype = None,
     reduce_dtype: sharded.ReduceDtype = None,
     activation_checkpointing: sharded.Checkpointing = "none,full",
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="With a model from its config and --gpus: confirm each traced answer with one rank's real trials "
+            "at it and one above, on --device (auto: a simulated device of the --gpu capacity).",
+        ),
+    ] = False,
     debug: Debug = False,
 ) -> None:
     """Plan micro-batch, accumulation, learning rate and warmup for a global batch on N devices.
@@ -524,8 +532,14 @@ def plan(
         if devices is not None and devices != world[0]:
             raise InputError(f"--devices {devices} disagrees with the {world[0]} ranks of --gpus/--nodes: give one")
         choices = sharded.parallelisms(world, hybrid_shard, param_dtype, reduce_dtype, activation_checkpointing)
-        _plan_sharded(planning, workload, gpu, seq_len or sharded.DEFAULT_SEQ_LEN, choices, json_path)
+        verify_on = device if verify else None
+        _plan_sharded(planning, workload, gpu, seq_len or sharded.DEFAULT_SEQ_LEN, choices, json_path, verify_on)
         return
+    if verify:
+        raise InputError(
+            "--verify confirms a plan traced on fake tensors: give a model from its config with --gpus and --gpu "
+            "(a WORKLOAD's micro-batch is already measured by real trials)"
+        )
     planning = functools.partial(planning, seq_len=seq_len, devices=devices)
     work = dev = None
     if workload is not None:
@@ -545,13 +559,22 @@ def plan(
 
 
 def _plan_sharded(
-    planning: Callable[..., Any], workload: str, gpu: str | None, seq_len: int, choices: list[Any], json_path: Any
+    planning: Callable[..., Any],
+    workload: str,
+    gpu: str | None,
+    seq_len: int,
+    choices: list[Any],
+    json_path: Any,
+    verify_on: str | None = None,
 ) -> None:
     """The plan for a model built from its config: the micro-batch per rank traced under FSDP2 for
-    each activation-checkpointing choice, the plan on the choice ``choose_checkpointing`` takes."""
+    each activation-checkpointing choice, the plan on the choice ``choose_checkpointing`` takes;
+    with ``verify_on`` (a device), each choice's answer confirmed by one rank's real trials."""
     if gpu is None:
         raise InputError("a sharded plan traces one rank on a GPU preset: give --gpu (e.g. --gpu h100-80gb)")
+    verifier = one_rank.verification_device(verify_on, sharded.capacity_of(gpu)[0]) if verify_on else None
     found = sharded.measure_per_rank(workload, gpu, seq_len, choices)
+    verified = one_rank.verify_plan(workload, seq_len, found, verifier) if verifier is not None else None
     chosen, largest = sharded.choose_checkpointing(found, seq_len, gpu)
     result = planning(micro_batch_size=largest.batch_size, seq_len=seq_len, devices=choices[0].world_size)
     if result.gradient_accumulation_steps > 1:  # a later micro-batch runs with the window's sharded gradients
@@ -561,7 +584,14 @@ def _plan_sharded(
     console.print(f"Planned with activation checkpointing {chosen.activation_checkpointing}.", highlight=False)
     _print_plan(result)
     if json_path is not None:
-        write_json(json_path, sharded.plan_document(result, found, chosen, gpu))
+        document = sharded.plan_document(result, found, chosen, gpu)
+        if verified is not None:
+            document["sharding"]["verification"] = {
+                "device": verifier.name,
+                "mode": "one rank, real trials",
+                "rows": verified,
+            }
+        write_json(json_path, document)
 
 
 def _measure_micro_batch(work: Any, dev: Any, settings: SearchSettings, *, accumulating: bool) -> int:

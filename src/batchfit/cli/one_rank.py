@@ -67,3 +67,71 @@ def header(work: Any, device: Any) -> str:
             "measurement (choose with --device sim:CAPACITY)."
         )
     return line
+
+
+def verification_device(device: str, capacity_bytes: int) -> Any:
+    """Where ``--verify`` runs its real trials: ``device`` as given, or with ``auto`` a simulated
+    device of the plan's capacity per rank (refused in one line if this host cannot hold it)."""
+    from batchfit.devices.resolve import resolve_device
+    from batchfit.devices.simulated import SimulatedDevice
+
+    if device == "auto":
+        return SimulatedDevice(capacity_bytes).for_workload(None)
+    return resolve_device(device, None)
+
+
+def verify_plan(workload: str, seq_len: int, found: list[tuple[Any, Any]], device: Any) -> list[dict[str, Any]]:
+    """Confirm each activation-checkpointing choice's traced answer with one rank's real trials
+    at that micro-batch and the one above, printed side by side with the fake figures; the rows."""
+    from rich.table import Table
+
+    from batchfit.cli.common import console
+    from batchfit.parallel.one_rank import probe_rank_batch_size
+
+    rows = []
+    for parallelism, largest in found:
+        for batch_size, fake in ((largest.batch_size, largest.estimate), (largest.batch_size + 1, largest.above)):
+            if batch_size < 1:
+                continue
+            with console.status(f"Real trial of one rank at micro-batch {batch_size}"):
+                trial = probe_rank_batch_size(workload, seq_len, batch_size, parallelism=parallelism, device=device)
+            rows.append(_verified_row(parallelism, batch_size, fake, trial))
+    table = Table(title=f"Verified on {device.name}: one rank's real trials against the fake-tensor estimate")
+    for column in ("checkpointing", "micro-batch", "fake peak", "real peak", "difference", "real trial"):
+        table.add_column(column, justify="left" if column == "checkpointing" else "right")
+    for row in rows:
+        table.add_row(*_row_cells(row))
+    console.print(table)
+    return rows
+
+
+def _verified_row(parallelism: Any, batch_size: int, fake: Any, trial: Any) -> dict[str, Any]:
+    fake_bytes = fake.peak_bytes if fake is not None else None
+    real_bytes = trial.peak_bytes
+    both = fake_bytes is not None and real_bytes is not None
+    return {
+        "activation_checkpointing": parallelism.activation_checkpointing,
+        "batch_size": batch_size,
+        "fake_peak_bytes": fake_bytes,
+        "real_peak_bytes": real_bytes,
+        "difference_bytes": real_bytes - fake_bytes if both else None,
+        "fits": trial.fits,
+        "error": trial.error,
+    }
+
+
+def _row_cells(row: dict[str, Any]) -> tuple[str, ...]:
+    def size(nbytes: int | None) -> str:
+        return format_bytes(nbytes) if nbytes is not None else "-"
+
+    difference = row["difference_bytes"]
+    share = f"{difference:+,d} B ({difference / row['fake_peak_bytes']:+.2%})" if difference is not None else "-"
+    verdict = "fits" if row["fits"] else ("out of memory" if row["real_peak_bytes"] is None else "over capacity")
+    return (
+        row["activation_checkpointing"],
+        str(row["batch_size"]),
+        size(row["fake_peak_bytes"]),
+        size(row["real_peak_bytes"]),
+        share,
+        verdict,
+    )

@@ -180,6 +180,7 @@ class RankProber:
         stack, self._stack, self._prober = self._stack, None, None
         if stack is not None:
             stack.close()
+        self.device.collect()  # FSDP2's modules and hooks hold cycles: the rank's memory is free only after a collection
 
     def probe(self, batch_size: int) -> Trial:
         return self._prober.probe(batch_size)
