@@ -50,7 +50,7 @@ def test_a_config_file_at_two_ranks_writes_the_per_rank_figures_and_names_what_r
         (["llama-3-8b", "--gpus", "6", "--hybrid-shard", "--gpus-per-node", "4"], "world_size 6 is not a multiple"),
         (["llama-3-8b", "--nodes", "2"], "--nodes needs --gpus-per-node"),
         (["llama-9b", "--gpus", "8"], "unknown model 'llama-9b': give one of llama-3-8b"),
-        (["llama-3-8b", "--activation-checkpointing", "selective"], "'selective' is not supported yet"),
+        (["llama-3-8b", "--activation-checkpointing", "some"], "must be 'none' or 'full' or 'selective'"),
     ],
 )
 def test_bad_sharded_inputs_are_one_line(args, message):

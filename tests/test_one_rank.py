@@ -141,3 +141,34 @@ def test_plan_verify_confirms_the_traced_answer_with_real_trials_at_it_and_above
     assert verification["mode"] == "one rank, real trials"
     refused = CliRunner().invoke(app, ["plan", "--micro-batch-size", "4", "--global-batch-size", "8", "--verify"])
     assert refused.exit_code == 2 and "--verify confirms a plan traced on fake tensors" in refused.output
+
+
+def test_a_users_own_model_is_tried_as_one_rank_and_left_as_it_was() -> None:
+    """find_max_batch_size/probe_batch_size with a parallelism: a sharded copy on meta, only the
+    rank's shards allocated, the optimizer built again; the user's model, values and optimizer
+    untouched, and the trial's peak the fake trace's of the same model to the byte."""
+    import copy
+
+    import batchfit as bf
+
+    torch.manual_seed(0)
+    model = CASES["tiny"].spec()()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, foreach=True)
+    values = copy.deepcopy(model.state_dict())
+    ids = torch.randint(0, 256, (2, 16))
+
+    def loss_fn(logits, batch):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.flatten())
+
+    parallelism = Parallelism(world_size=4, rank=1)
+    options = {"loss_fn": loss_fn, "optimizer": optimizer, "parallelism": parallelism}
+    trial = bf.probe_batch_size(model, ids, 3, device="sim:64MiB", **options)
+    fake = trace_rank(CASES["tiny"].spec(), 3, 16, parallelism=parallelism)
+    assert trial.peak_bytes == fake.peak_bytes
+    result = bf.find_max_batch_size(model, ids, device=SimulatedDevice("2MiB"), **options)
+    assert [t.batch_size for t in result.trials] == [2, 3, 6, 5]
+    assert [t.fits for t in result.trials] == [True, True, False, True] and result.batch_size == 5
+    assert result.extra["mode"].startswith("one rank of 4") and result.extra["parallelism"]["rank"] == 1
+    assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+    assert not any(hasattr(p, "device_mesh") for p in model.parameters()) and not dist.is_initialized()

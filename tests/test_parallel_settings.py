@@ -37,7 +37,7 @@ def _one_line_error(error_type: type[Exception], call, *args, **kwargs) -> str:
         ({"world_size": 8, "sharding": "hybrid"}, "give gpus_per_node"),
         ({"world_size": 4, "rank": 4}, "rank must be an integer from 0 to world_size - 1 = 3"),
         ({"world_size": 2, "sharding": "zero3"}, "sharding must be one of"),
-        ({"activation_checkpointing": "selective"}, "not supported yet: use 'full' or 'none'"),
+        ({"activation_checkpointing": "Selective"}, "must be 'none' or 'full' or 'selective'"),
         ({"activation_checkpointing": "some"}, "must be 'none' or 'full'"),
         ({"world_size": 2, "sharding": "ddp", "param_dtype": "bf16"}, "use sharding='fsdp' or 'hybrid'"),
         ({"world_size": 2, "sharding": "none"}, "give world_size=1"),

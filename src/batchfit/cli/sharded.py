@@ -41,7 +41,11 @@ ReduceDtype = Annotated[
 ]
 Checkpointing = Annotated[
     str,
-    typer.Option(help="none, full (every repeated block recomputed), or both to compare: none,full."),
+    typer.Option(
+        help="none, selective (torchtitan's op-level policy: each block keeps every other matmul's and the "
+        "attention's outputs, recomputes the rest), full (every repeated block recomputed), or several to "
+        "compare: none,selective,full."
+    ),
 ]
 
 
@@ -99,14 +103,15 @@ def parallelisms(
     reduce_dtype: str | None,
     checkpointing: str,
 ) -> list[Any]:
-    """One ``Parallelism`` per activation-checkpointing choice asked for (``"none,full"``: both)."""
+    """One ``Parallelism`` per activation-checkpointing choice asked for, in order
+    (``"none,selective,full"``: all three)."""
     from batchfit.parallel.settings import Parallelism
 
     world_size, gpus_per_node = world
     sharding = "hybrid" if hybrid_shard else ("fsdp" if world_size > 1 or param_dtype or reduce_dtype else "none")
     choices = [choice.strip() for choice in checkpointing.split(",") if choice.strip()]
     if not choices:
-        raise InputError("--activation-checkpointing needs none, full, or none,full")
+        raise InputError("--activation-checkpointing needs none, selective, full, or several: none,selective,full")
     return [
         Parallelism(
             world_size=world_size,
@@ -296,6 +301,12 @@ def choose_checkpointing(found: list[tuple[Any, Any]], seq_len: int, capacity: s
     return plain[0] if plain else max(fitting, key=lambda item: item[1].batch_size)
 
 
+RECOMPUTE_COST = {  # what each choice costs in backward, as the advice says it
+    "full": "about a third more compute per step (every block's forward runs again in backward)",
+    "selective": "some more compute per step (each block recomputes its cheap ops and every other matmul in backward)",
+}
+
+
 def checkpointing_advice(found: list[tuple[Any, Any]], chosen: Any, plan: Any) -> list[str]:
     """Advice where another checkpointing choice would need fewer accumulation steps."""
     per_rank = -(-plan.target_samples // plan.devices)  # samples each rank must see per optimizer step
@@ -307,8 +318,8 @@ def checkpointing_advice(found: list[tuple[Any, Any]], chosen: Any, plan: Any) -
         if steps < plan.gradient_accumulation_steps:
             advice.append(
                 f"activation checkpointing {parallelism.activation_checkpointing} fits {largest.batch_size} per rank: "
-                f"{steps} accumulation step(s) instead of {plan.gradient_accumulation_steps}, for about a third more "
-                "compute per step (every block's forward runs again in backward)"
+                f"{steps} accumulation step(s) instead of {plan.gradient_accumulation_steps}, for "
+                + RECOMPUTE_COST[parallelism.activation_checkpointing]
             )
     return advice
 

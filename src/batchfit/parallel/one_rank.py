@@ -47,6 +47,15 @@ from batchfit.search.trial import Trial
 from batchfit.step.workload import Workload
 
 TOKEN_BYTES = 8  # token ids are int64
+DDP_REFUSAL = (
+    "one-rank trials run FSDP2 over a fake process group, and DDP's reducer needs real collectives: "
+    "use sharding='fsdp', 'hybrid' or 'none', or probe real DDP under torchrun"
+)
+
+
+def one_rank_mode(parallelism: Parallelism) -> str:
+    """What one-rank trials are, in one phrase (for the result, the JSON and the CLI)."""
+    return f"one rank of {parallelism.world_size}, real trials; collectives not run, NCCL buffers not counted"
 
 
 @dataclass(frozen=True)
@@ -71,10 +80,7 @@ class RankWorkload:
         if not isinstance(self.parallelism, Parallelism):
             raise InputTypeError(f"parallelism must be a batchfit Parallelism, got {type(self.parallelism).__name__}")
         if self.parallelism.sharding == "ddp":
-            raise InputError(
-                "one-rank trials run FSDP2 over a fake process group, and DDP's reducer needs real collectives: "
-                "use sharding='fsdp', 'hybrid' or 'none', or probe real DDP under torchrun"
-            )
+            raise InputError(DDP_REFUSAL)
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise InputError(f"seq_len must be an integer of at least 1, got {self.seq_len!r}")
 
@@ -85,13 +91,22 @@ class RankWorkload:
 
     def mode(self) -> str:
         """What the trials are, in one phrase (for the result, the JSON and the CLI)."""
-        return f"one rank of {self.parallelism.world_size}, real trials; collectives not run, NCCL buffers not counted"
+        return one_rank_mode(self.parallelism)
 
     def parameter_count(self) -> int:
         """The whole model's parameters (all ranks'), counted on a ``meta`` build: nothing allocated."""
         with torch.device("meta"):
             model = model_builder(self.model, self.dtype)()
         return sum(p.numel() for p in model.parameters())
+
+    def bytes_per_sample(self) -> int:
+        return self.seq_len * TOKEN_BYTES
+
+    def build(self, mesh: Any, device: torch.device) -> Workload:
+        """The rank's training step: its shards on ``device``, a fresh optimizer over them."""
+        model = local_shards(self, mesh, device)
+        optimizer = (self.optimizer or default_optimizer)(model.parameters())
+        return rank_step_workload(model, optimizer, self.seq_len)
 
     def backend(self) -> RankBackend:
         return ONE_RANK
@@ -151,8 +166,9 @@ def rank_step_workload(model: nn.Module, optimizer: torch.optim.Optimizer, seq_l
 
 
 class RankProber:
-    """The trials of a ``RankWorkload``: entering starts the fake world, builds the rank's shards
-    on the device and a torch ``Prober`` over them; leaving restores and destroys it all."""
+    """The trials of a ``RankWorkload`` (or a ``ShardedCopy``): entering starts the fake world,
+    builds the rank's step on the device (``work.build``) and a torch ``Prober`` over it; leaving
+    restores and destroys it all."""
 
     def __init__(self, work: RankWorkload, device: Device, *, steps: int, limit_bytes: int | None):
         self.work, self.device, self.steps, self.limit_bytes = work, device, steps, limit_bytes
@@ -163,14 +179,8 @@ class RankProber:
         with contextlib.ExitStack() as stack:
             torch_device = self.device.torch_device
             mesh = stack.enter_context(fake_world(self.work.parallelism, torch_device.type))
-            model = local_shards(self.work, mesh, torch_device)
-            optimizer = (self.work.optimizer or default_optimizer)(model.parameters())
-            inner = Prober(
-                rank_step_workload(model, optimizer, self.work.seq_len),
-                self.device,
-                steps=self.steps,
-                limit_bytes=self.limit_bytes,
-            )
+            step = self.work.build(mesh, torch_device)
+            inner = Prober(step, self.device, steps=self.steps, limit_bytes=self.limit_bytes)
             self._prober = stack.enter_context(inner)
             self.baseline_bytes = self._prober.baseline_bytes
             self._stack = stack.pop_all()
@@ -187,7 +197,7 @@ class RankProber:
 
 
 class RankBackend:
-    """The search backend of a ``RankWorkload``: torch devices, ``RankProber`` trials, no trace
+    """The search backend of a ``RankWorkload`` or a ``ShardedCopy``: torch devices, ``RankProber`` trials, no trace
     first (the fake-tensor estimate of a rank is ``trace_rank``/``largest_batch_size``)."""
 
     name = "torch"
@@ -202,7 +212,7 @@ class RankBackend:
         return device
 
     def bytes_per_sample(self, workload: RankWorkload) -> int:
-        return workload.seq_len * TOKEN_BYTES
+        return workload.bytes_per_sample()
 
     def prober(self, workload: RankWorkload, device: Device, *, steps: int, limit_bytes: int | None) -> RankProber:
         return RankProber(workload, device, steps=steps, limit_bytes=limit_bytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -10,7 +11,7 @@ from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
 
 SHARDINGS = ("fsdp", "hybrid", "ddp", "none")
-CHECKPOINTING = ("none", "full")
+CHECKPOINTING = ("none", "selective", "full")
 DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -75,8 +76,13 @@ class Parallelism:
     (e.g. ``"fp32"``); ``None``: the policy's default (``param_dtype``)."""
 
     activation_checkpointing: str = "none"
-    """``"none"``, or ``"full"``: every repeated block is recomputed in backward (torch's
-    non-reentrant ``checkpoint_wrapper`` around each block), keeping only each block's input."""
+    """``"none"``; ``"full"``: every repeated block is recomputed in backward (torch's
+    non-reentrant ``checkpoint_wrapper`` around each block), keeping only each block's input; or
+    ``"selective"``: torchtitan's op-level selective activation checkpointing, with torch's
+    ``create_selective_checkpoint_contexts`` as the ``context_fn`` of that wrapper: each block
+    keeps its input and the outputs of every other matmul (``aten.mm``/``aten.addmm``, the 1st,
+    3rd, ...), of the SDPA attention kernels, of ``aten.max`` and of reduce-scatter, and
+    recomputes the rest (norms, activations, rotary embedding, the other matmuls) in backward."""
 
     rank: int = 0
     """The rank whose memory is measured (FSDP2 pads shards to one size, so ranks agree)."""
@@ -103,11 +109,10 @@ class Parallelism:
             )
 
     def _check_checkpointing(self) -> None:
-        if self.activation_checkpointing == "selective":
-            raise InputError("activation_checkpointing='selective' is not supported yet: use 'full' or 'none'")
         if self.activation_checkpointing not in CHECKPOINTING:
             raise InputError(
-                f"activation_checkpointing must be 'none' or 'full', got {self.activation_checkpointing!r}"
+                "activation_checkpointing must be 'none' or 'full' or 'selective' (torchtitan's op-level policy), "
+                f"got {self.activation_checkpointing!r}"
             )
 
     def _check_mesh(self) -> None:
@@ -136,6 +141,14 @@ class Parallelism:
     def shard_ranks(self) -> int:
         """Over how many ranks the parameters, gradients and optimizer state are split."""
         return {"fsdp": self.world_size, "hybrid": self.gpus_per_node}.get(self.sharding, 1)
+
+    def one_rank(self, workload: Any) -> Any:
+        """``workload`` (a ``batchfit.Workload``) as this rank of this world: its model copied onto
+        ``meta`` and sharded, for real trials of one rank over torch's fake process group
+        (``find_max_batch_size(..., parallelism=...)``; see ``batchfit.parallel.copied``)."""
+        from batchfit.parallel.copied import ShardedCopy
+
+        return ShardedCopy(workload, self)
 
     def to_dict(self) -> dict[str, object]:
         """The settings, JSON-ready (dtypes by name).

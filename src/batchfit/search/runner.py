@@ -22,6 +22,7 @@ from batchfit.devices.trace import is_users_error
 from batchfit.devices.trace import undercount_message
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.errors import NoBatchFitsError
 from batchfit.errors import TraceError
 from batchfit.search import distributed
@@ -469,6 +470,7 @@ def find_max_batch_size(
     trace: bool | str = "auto",
     longest_seq_len: int | None = None,
     cache: CacheSpec = False,
+    parallelism: Any = None,
 ) -> SearchResult:
     """The largest batch size that really fits: every answer is a size a trial ran.
 
@@ -492,7 +494,12 @@ def find_max_batch_size(
     stored answer, with zero trials, when this very search ran before (see ``ResultCache``).
     ``max_trials`` and ``max_seconds`` bound the search: no trial starts past them (nor one
     predicted to end past ``max_seconds``), and the answer is the largest size confirmed so far,
-    with ``exact=False``.
+    with ``exact=False``. ``parallelism`` (a ``batchfit.parallel.Parallelism``, outside
+    ``torchrun``) runs real trials of one rank of that world size under FSDP2, over torch's fake
+    process group: the model is copied onto ``meta``, sharded, and only the rank's shards are
+    allocated (with the rank's rows of the model's values); the optimizer is built again over
+    them. The answer is the micro-batch per rank; ``result.extra["mode"]`` says what ran. The
+    model and optimizer passed are not changed.
 
     >>> import batchfit as bf
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
@@ -525,7 +532,26 @@ def find_max_batch_size(
         step_fn=step_fn,
         keep_output=keep_output,
     )
+    if parallelism is not None:
+        return _one_rank_search(_one_rank(workload, parallelism), settings, device, on_trial)
     return search_workload(workload, settings, device=device, on_trial=on_trial)
+
+
+def _one_rank(workload: Workload, parallelism: Any) -> Any:
+    """``workload`` as one rank of ``parallelism`` (its ``one_rank``: the parallel layer's, which this
+    layer does not import)."""
+    one_rank = getattr(parallelism, "one_rank", None)
+    if not callable(one_rank):
+        raise InputTypeError(f"parallelism must be a batchfit.parallel.Parallelism, got {type(parallelism).__name__}")
+    return one_rank(workload)
+
+
+def _one_rank_search(
+    sharded: Any, settings: SearchSettings, device: DeviceSpec, on_trial: Callable[[Trial], None] | None
+) -> SearchResult:
+    result = search_workload(sharded, settings, device=device, on_trial=on_trial)
+    extra = {**result.extra, "mode": sharded.mode(), "parallelism": sharded.parallelism.to_dict()}
+    return dataclasses.replace(result, extra=extra)
 
 
 def probe_batch_size(
@@ -542,8 +568,10 @@ def probe_batch_size(
     mode: str = "train",
     step_fn: Callable | None = None,
     keep_output: bool = True,
+    parallelism: Any = None,
 ) -> Trial:
-    """Run one trial at ``batch_size`` and return it; state is restored afterwards.
+    """Run one trial at ``batch_size`` and return it; state is restored afterwards. With
+    ``parallelism``, one rank's trial at that world size (see ``find_max_batch_size``).
 
     >>> model = torch.nn.Linear(8, 1)
     >>> trial = probe_batch_size(model, torch.randn(2, 8), 16, loss_fn=lambda out, batch: out.mean(),
@@ -562,6 +590,8 @@ def probe_batch_size(
         step_fn=step_fn,
         keep_output=keep_output,
     )
+    if parallelism is not None:
+        workload = _one_rank(workload, parallelism)
     return probe_workload(workload, batch_size, settings, device=device)
 
 
