@@ -1,9 +1,10 @@
-"""The commands and Python snippets of the README, as tests/test_readme.py runs them.
+"""The commands and Python snippets of the README and the docs, as tests/test_readme.py runs them.
 
 A command is a line of a ```bash block (backslash-continued lines joined, the comment after ``#``
-dropped); ``make ...`` and ``export ...`` lines are the set-up, not batchfit, and are left out. A
-``VAR=$(batchfit ...)`` line runs its inner command; a leading ``NAME=value`` is an environment
-setting of that command. A snippet is a whole ```python block.
+dropped), or a line of a ```console block that starts with the prompt ``$ `` (the lines after it
+are its output); ``make ...`` and ``export ...`` lines are the set-up, not batchfit, and are left
+out. A ``VAR=$(batchfit ...)`` line runs its inner command; a leading ``NAME=value`` is an
+environment setting of that command. A snippet is a whole ```python block.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from dataclasses import field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DOCUMENTS = (REPO / "README.md",)  # whose commands run
-SNIPPET_DOCUMENTS = (REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")))  # whose Python blocks run
+DOCUMENTS = (REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")))  # whose commands and snippets run
+SHELL_LANGUAGES = ("bash", "console")  # the fenced blocks whose commands run
+PROMPT = "$ "  # a ```console line starting with it is a command, the others its output
 SET_UP = ("make ", "export ")  # the README's own set-up lines: not batchfit commands
 CAPTURE = re.compile(r"^\w+=\$\((?P<inner>.*)\)\s*(#.*)?$")  # BS=$(batchfit find ... --quiet)
 ASSIGNMENT = re.compile(r"^(?P<name>[A-Z_][A-Z0-9_]*)=(?P<value>\S*)$")
@@ -79,6 +81,19 @@ def logical_lines(block: Block) -> list[tuple[int, str]]:
     return [(number, text) for number, text in joined if text and not text.startswith("#")]
 
 
+def prompted(block: Block) -> Block:
+    """A ```console block reduced to its commands: the prompted lines (and their continuations), the
+    prompt dropped; every other line, the output, blank, so the line numbers stay."""
+    lines, continued = [], False
+    for line in block.text.splitlines():
+        if continued or line.startswith(PROMPT):
+            lines.append(line if continued else line[len(PROMPT) :])
+            continued = line.rstrip().endswith("\\")
+        else:
+            lines.append("")
+    return Block("bash", block.document, block.line, block.heading, "\n".join(lines) + "\n")
+
+
 def parse_command(document: Path, line: int, text: str) -> Command:
     """A command line as words: a ``$( )`` capture unwrapped, leading ``NAME=value`` taken as env."""
     captured = CAPTURE.match(text)
@@ -91,18 +106,30 @@ def parse_command(document: Path, line: int, text: str) -> Command:
 
 
 def commands(documents: tuple[Path, ...] = DOCUMENTS) -> list[Command]:
-    """Every command of the documents' ```bash blocks, in order, set-up lines left out."""
+    """Every command of the documents' ```bash and ```console blocks, in order, set-up lines left out."""
     found = []
     for document in documents:
         for block in fenced_blocks(document):
-            if block.language != "bash":
+            if block.language not in SHELL_LANGUAGES:
                 continue
-            for line, text in logical_lines(block):
+            for line, text in logical_lines(prompted(block) if block.language == "console" else block):
                 if not text.startswith(SET_UP):
                     found.append(parse_command(document, line, text))
     return found
 
 
-def snippets(documents: tuple[Path, ...] = SNIPPET_DOCUMENTS) -> list[Block]:
+def distinct(found: list[Command]) -> list[Command]:
+    """The commands with each one's repeats (the same words and settings, in any document) left
+    out: a command runs once, where it is first written."""
+    seen, kept = set(), []
+    for command in found:
+        key = (command.argv, tuple(sorted(command.env.items())))
+        if key not in seen:
+            seen.add(key)
+            kept.append(command)
+    return kept
+
+
+def snippets(documents: tuple[Path, ...] = DOCUMENTS) -> list[Block]:
     """Every ```python block of the documents, in order."""
     return [block for document in documents for block in fenced_blocks(document) if block.language == "python"]
