@@ -37,7 +37,6 @@ from batchfit.parallel.models import model_builder
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import OptimizerFactory
 from batchfit.parallel.trace import default_optimizer
-from batchfit.parallel.world import FilledCollectives
 from batchfit.parallel.world import fake_world
 from batchfit.parallel.wrap import shard_model
 from batchfit.search.prober import Prober
@@ -194,8 +193,7 @@ class RankProber:
         self.device.collect()  # FSDP2's modules and hooks hold cycles: the rank's memory is free only after a collection
 
     def probe(self, batch_size: int) -> Trial:
-        with FilledCollectives():  # finite values where the fake collectives leave garbage
-            return self._prober.probe(batch_size)
+        return self._prober.probe(batch_size)
 
 
 class RankBackend:
