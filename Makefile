@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/peers.py
 	$(BIN)/python benchmarks/regimes.py
 	$(BIN)/python benchmarks/sharded_peers.py
+	$(BIN)/python benchmarks/one_rank.py
 
 # Fault injection, bad inputs and endurance (a reduced form runs in `make test`): benchmarks/RELIABILITY.md.
 reliability: $(STAMP)

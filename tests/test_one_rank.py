@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import batchfit as bf
 from batchfit.devices.simulated import SimulatedDevice
 from batchfit.devices.trace import TraceDevice
 from batchfit.errors import InputError
@@ -18,6 +19,7 @@ from batchfit.parallel.one_rank import RankWorkload
 from batchfit.parallel.one_rank import find_rank_batch_size
 from batchfit.parallel.one_rank import probe_rank_batch_size
 from batchfit.parallel.world import fake_world
+from batchfit.parallel.wrap import shard_model
 from fsdp_cases import CASES
 from fsdp_cases import SMALL_LLAMA
 
@@ -172,3 +174,79 @@ def test_a_users_own_model_is_tried_as_one_rank_and_left_as_it_was() -> None:
     assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
     assert not optimizer.state and all(p.grad is None for p in model.parameters())
     assert not any(hasattr(p, "device_mesh") for p in model.parameters()) and not dist.is_initialized()
+
+
+def test_the_fake_groups_collectives_leave_finite_values_one_rank_trials_rely_on() -> None:
+    """torch's fake process group copies this rank's input into every slice of an all-gather and
+    a chunk of its input into a reduce-scatter's output: gathered parameters and reduced gradients
+    hold finite values, never whatever memory held (if torch changes this, this test says so)."""
+    with fake_world(Parallelism(world_size=4)):
+        gathered = torch.full((8,), float("nan"))
+        dist.all_gather_into_tensor(gathered, torch.tensor([1.0, 2.0]))
+        reduced = torch.full((2,), float("nan"))
+        dist.reduce_scatter_tensor(reduced, torch.arange(8.0))
+    assert gathered.tolist() == [1.0, 2.0] * 4
+    assert reduced.tolist() == [0.0, 1.0]
+
+
+def _sharded_step(after_backward, scaler=None):
+    """One forward and backward of a sharded tiny model at world size 2 (``scaler``: a GradScaler
+    scales the loss), then ``after_backward(model, optimizer)``."""
+    parallelism = Parallelism(world_size=2)
+    with fake_world(parallelism) as mesh:
+        model = shard_model(CASES["tiny"].spec()(), mesh, parallelism)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, 256, (2, 16))
+        loss = _token_loss(model(ids), ids)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        return after_backward(model, optimizer)
+
+
+def test_clipping_that_refuses_non_finite_gradients_passes_on_one_rank() -> None:
+    def clip(model, optimizer):
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+
+    assert torch.isfinite(_sharded_step(clip).full_tensor())
+
+
+def test_a_grad_scaler_takes_the_optimizer_step_on_one_rank() -> None:
+    """A skipped step (inf found) would make no optimizer state, and a trial would under-count it."""
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(model, optimizer):
+        scaler.step(optimizer)
+        return len(optimizer.state)
+
+    assert _sharded_step(step, scaler) == len(list(CASES["tiny"].spec()().parameters()))
+
+
+def test_routing_on_values_runs_on_this_ranks_rows_repeated() -> None:
+    """A gate that routes each token by the gathered weights' values (top-1 of two experts) runs;
+    the gathered weights are this rank's rows in every slice (finite, but not the whole model's:
+    routing, and so memory, can differ from the real run's)."""
+
+    class Routed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(64, 16)
+            self.gate = torch.nn.Linear(16, 2)
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(16, 64) for _ in range(2))
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            choice = self.gate(x).argmax(-1)
+            out = torch.zeros(*ids.shape, 64)
+            for index, expert in enumerate(self.experts):
+                chosen = choice == index
+                out[chosen] = expert(x[chosen])  # data-dependent shapes: the rows routed here
+            return out
+
+    work_ids = torch.randint(0, 64, (4, 8))
+    trial = bf.probe_batch_size(
+        Routed(), work_ids, 4, loss_fn=_token_loss, device="sim:64MiB", parallelism=Parallelism(world_size=2)
+    )
+    assert trial.fits and trial.steps == 2
+
+
+def _token_loss(logits, ids):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
