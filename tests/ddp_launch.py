@@ -42,13 +42,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun(script: str, *arguments: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node=2 tests/SCRIPT ARGUMENTS...`` on the loopback, output captured."""
+def torchrun(
+    script: str, *arguments: str, env: dict[str, str] | None = None, ranks: int = 2
+) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=RANKS tests/SCRIPT ARGUMENTS...`` on the loopback, output captured."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc_per_node=2",
+        f"--nproc_per_node={ranks}",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
         str(Path(__file__).with_name(script)),
