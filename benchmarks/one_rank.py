@@ -55,12 +55,10 @@ def run_case(world_size: int) -> dict:
     start = time.perf_counter()
     fake = trace_rank(CONFIG, BATCH_SIZE, SEQ_LEN, parallelism=parallelism)
     fake_seconds = time.perf_counter() - start
-    labels_bytes = -(-BATCH_SIZE * SEQ_LEN * 8 // 512) * 512  # the real batch's labels tensor, see the report
     return {
         "world_size": world_size,
         "real_peak_bytes": trial.peak_bytes,
         "fake_peak_bytes": fake.peak_bytes,
-        "labels_bytes": labels_bytes,
         "real_seconds": real_seconds,
         "fake_seconds": fake_seconds,
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -77,15 +75,14 @@ def report(results: list[dict]) -> str:
         f"full shard with bf16 parameters and fp32 reduction, micro-batch {BATCH_SIZE} x {SEQ_LEN} tokens, AdamW. "
         f"**Real**: `probe_rank_batch_size` on `{DEVICE}` (rank 0's real training steps over torch's fake process "
         "group, only its shards allocated). **Fake**: `trace_rank` (the same rank on fake tensors). "
-        "The real batch carries its labels as a tensor of their own, which the trace does not: "
-        "the difference after taking those bytes off is the estimate's error. Host memory is the process's "
+        "Both batches carry their labels as a tensor of their own, as a data collator makes them. Host memory is the process's "
         "peak resident set (both runs). Regenerate: `.venv/bin/python benchmarks/one_rank.py`.",
         "",
-        "| ranks | real peak | fake estimate | difference (labels aside) | real trial (s) | fake trace (s) | host memory | load |",
+        "| ranks | real peak | fake estimate | difference | real trial (s) | fake trace (s) | host memory | load |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        diff = r["real_peak_bytes"] - r["labels_bytes"] - r["fake_peak_bytes"]
+        diff = r["real_peak_bytes"] - r["fake_peak_bytes"]
         lines.append(
             f"| {r['world_size']} | {r['real_peak_bytes'] / mib:.1f} MiB | {r['fake_peak_bytes'] / mib:.1f} MiB | "
             f"{diff:+,d} B ({diff / r['fake_peak_bytes']:+.3%}) | {r['real_seconds']:.1f} | {r['fake_seconds']:.1f} | "

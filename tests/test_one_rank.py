@@ -26,25 +26,18 @@ from fsdp_cases import SMALL_LLAMA
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators")
 
 
-def _labels_bytes(spec, batch_size: int, seq_len: int) -> int:
-    """A transformers batch carries its labels as a tensor of their own (the trace passes the ids
-    again): int64 ids, in the simulated allocator's 512-byte blocks. A plain model has none."""
-    return 0 if callable(spec) else -(-batch_size * seq_len * 8 // 512) * 512
-
-
 @pytest.mark.parametrize(("name", "world_size"), [("tiny", 2), ("llama_checkpointed", 4)])
 def test_one_ranks_real_trial_peaks_where_the_fake_trace_does(name: str, world_size: int) -> None:
     """The same rank, the same step: real tensors over the fake group (only its shards built) and
-    the fake-tensor trace agree to the byte, apart from a transformers batch's separate labels."""
+    the fake-tensor trace agree to the byte (a transformers batch's labels a tensor of their own in both)."""
     case = CASES[name]
     parallelism = case.parallelism(world_size, rank=world_size - 1)
     trial = probe_rank_batch_size(
         case.spec(), case.seq_len, case.batch_size, parallelism=parallelism, device="sim:256MiB"
     )
     fake = trace_rank(case.spec(), case.batch_size, case.seq_len, parallelism=parallelism)
-    labels = _labels_bytes(case.spec(), case.batch_size, case.seq_len)
     assert trial.fits and trial.steps == 2
-    assert trial.peak_bytes == fake.peak_bytes + labels
+    assert trial.peak_bytes == fake.peak_bytes
     assert not dist.is_initialized()  # the fake world is gone
 
 
@@ -123,7 +116,7 @@ def test_the_cli_runs_one_rank_and_says_what_it_measured(tmp_path, monkeypatch) 
 @pytest.mark.slow  # a plan traces its search, then two real trials: about 5 s of CPU
 def test_plan_verify_confirms_the_traced_answer_with_real_trials_at_it_and_above(tmp_path, monkeypatch) -> None:
     """The traced micro-batch fits in one rank's real trial and the size above does not; the real
-    peak is the fake one plus the labels tensor the real batch carries."""
+    peak is the fake one to the byte."""
     from typer.testing import CliRunner
 
     from batchfit.cli.app import app
@@ -139,7 +132,7 @@ def test_plan_verify_confirms_the_traced_answer_with_real_trials_at_it_and_above
     at, above = verification["rows"]
     assert above["batch_size"] == at["batch_size"] + 1
     assert at["fits"] and not above["fits"]
-    assert at["difference_bytes"] == _labels_bytes(SMALL_LLAMA, at["batch_size"], 16)
+    assert at["difference_bytes"] == 0
     assert verification["mode"] == "one rank, real trials"
     refused = CliRunner().invoke(app, ["plan", "--micro-batch-size", "4", "--global-batch-size", "8", "--verify"])
     assert refused.exit_code == 2 and "--verify confirms a plan traced on fake tensors" in refused.output

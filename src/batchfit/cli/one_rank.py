@@ -51,12 +51,21 @@ def _refuse_inside_a_group() -> None:
         )
 
 
+def parameters_text(count: int) -> str:
+    """A parameter count as people say it.
+
+    >>> parameters_text(8_030_261_248), parameters_text(531_200)
+    ('8.03B', '0.53M')
+    """
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
+
+
 def header(work: Any, device: Any) -> str:
     """The first lines of ``batchfit find`` for one rank: the model, the rank, the device, what is measured."""
     from batchfit.cli.sharded import describe_parallelism
 
     line = (
-        f"batchfit find: [bold]{escape(work.name)}[/] ({work.parameter_count() / 1e9:.2f}B parameters, AdamW), "
+        f"batchfit find: [bold]{escape(work.name)}[/] ({parameters_text(work.parameter_count())} parameters, AdamW), "
         f"{describe_parallelism(work.parallelism)}, micro-batches of {work.seq_len} tokens on [bold]{device.name}[/]"
         f"\nOne rank, real trials: this rank's shards only, over torch's fake process group; "
         f"collectives are not run and NCCL's buffers are not counted."

@@ -135,12 +135,20 @@ class ShardedEstimate:
         }
 
 
-def language_model_loss(model: nn.Module, input_ids: torch.Tensor) -> tuple[Any, torch.Tensor]:
+def is_transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` computes its own loss from ``labels`` (a transformers model)."""
+    return hasattr(model, "config") and hasattr(model, "loss_function")
+
+
+def language_model_loss(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+) -> tuple[Any, torch.Tensor]:
     """``(output, loss)`` of a causal language model on ``input_ids`` (its own next tokens as
-    labels): a Hugging Face model's own loss (without the generation cache, which training does not
-    use but transformers builds by default), or cross-entropy of a plain model's logits."""
-    if hasattr(model, "config") and hasattr(model, "loss_function"):
-        output = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+    labels): a Hugging Face model's own loss on ``labels`` (the ids themselves when ``None``;
+    a data collator makes them a copy of their own), without the generation cache, which training
+    does not use but transformers builds by default; or cross-entropy of a plain model's logits."""
+    if is_transformers_model(model):
+        output = model(input_ids=input_ids, labels=input_ids if labels is None else labels, use_cache=False)
         return output, output.loss
     logits = model(input_ids)
     return logits, F.cross_entropy(logits.flatten(0, 1).float(), input_ids.flatten())
@@ -234,6 +242,8 @@ class _Steps:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, input_ids: torch.Tensor, counter: RankBytes):
         self.model, self.optimizer, self.input_ids, self.counter = model, optimizer, input_ids, counter
+        # a transformers batch carries its labels as a tensor of their own, as a data collator makes them
+        self.labels = input_ids.clone() if is_transformers_model(model) else None
         self.output: Any = None  # the loop's variables: alive into the next step, as in a hand-written loop
         self.loss: Any = None
 
@@ -243,6 +253,8 @@ class _Steps:
         counter.track_all(self.model.buffers(), "buffers")
         counter.track_all(_optimizer_tensors(self.optimizer), "optimizer_state")
         counter.track(self.input_ids, "batch")
+        if self.labels is not None:
+            counter.track(self.labels, "batch")
 
     def step(self) -> _StepRecord:
         """One step; its peaks (before and after the previous output is released), the phase of
@@ -250,7 +262,7 @@ class _Steps:
         counter, phase_peaks = self.counter, {}
         counter.restart_peak()
         counter.start_phase("forward")
-        output, loss = language_model_loss(self.model, self.input_ids)
+        output, loss = language_model_loss(self.model, self.input_ids, self.labels)
         counter.split_peak()  # the previous step's output and loss are released on the next line
         self.output, self.loss = output, loss
         del output, loss
@@ -434,7 +446,7 @@ class RankSession:
                     peaks = [_reported(loop.step(), self.counter, {}) for _ in range(self.steps)]
                     self.steps_run += self.steps
                     loop.release_output()
-            loop.input_ids = None
+            loop.input_ids = loop.labels = None
         self._warm = True
         return peaks
 
