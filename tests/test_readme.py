@@ -59,6 +59,17 @@ SKIPPED_COMMANDS: tuple[tuple[str, str], ...] = (
         f" 47 s of CPU, 126 s of wall time; {SHARDED_TEST}",
     ),
     (
+        "batchfit estimate llama-3-70b --gpu h100-80gb --nodes 4 --gpus-per-node 8 --seq-len 4096 --param-dtype bf16"
+        " --reduce-dtype fp32 --activation-checkpointing none,selective,full",
+        f"traces Llama-3-70B at 4096 tokens 7 times: 87 s of CPU; {SHARDED_TEST}",
+    ),
+    (
+        "batchfit plan examples/llama-100m.json --gpu 1GiB --gpus 64 --seq-len 256 --global-batch-tokens 256K"
+        " --param-dtype bf16 --reduce-dtype fp32 --activation-checkpointing none --verify",
+        "two real training steps of a 100M-parameter model at 1,536 and 1,792 tokens: 49 s of CPU; the many-GPUs"
+        " guide's plan --verify of a tiny Llama runs the same path",
+    ),
+    (
         "batchfit plan llama-3-8b --gpu h100-80gb --nodes 4 --gpus-per-node 8 --seq-len 4096 --global-batch-tokens 4M"
         " --param-dtype bf16 --reduce-dtype fp32",
         f"the plan above in bfloat16: 55 s of CPU, 94 s of wall time; {SHARDED_TEST}",
