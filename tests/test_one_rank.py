@@ -243,3 +243,24 @@ def test_routing_on_values_runs_on_this_ranks_rows_repeated() -> None:
 
 def _token_loss(logits, ids):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+def test_the_cli_runs_a_workload_of_ones_own_as_one_rank_and_plans_with_it(tmp_path, monkeypatch) -> None:
+    """find and plan with --gpus on a built-in workload (not a config): its model copied and sharded."""
+    from typer.testing import CliRunner
+
+    from batchfit.cli.app import app
+
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    found = runner.invoke(app, ["find", "mlp", "--gpus", "4", "--device", "sim:8MiB", "--json", "out.json"])
+    assert found.exit_code == 0, found.output
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert document["mode"].startswith("one rank of 4") and document["trials"][0]["batch_size"] == 2
+    planned = runner.invoke(
+        app, ["plan", "mlp", "--gpus", "4", "--device", "sim:8MiB", "--global-batch-size", "64"], env={"COLUMNS": "200"}
+    )
+    assert planned.exit_code == 0, planned.output
+    assert "(one rank of 4, real trials" in planned.output and "x 4 device(s) = 64 samples" in planned.output
+    small = runner.invoke(app, ["find", "mlp", "--gpus", "2", "--device", "sim:4KiB"], env={"COLUMNS": "200"})
+    assert small.exit_code == 2 and "one rank's share of 2" in small.output and "more ranks" in small.output

@@ -111,19 +111,21 @@ def find(
 ) -> None:
     """Find the largest batch size that really fits: every answer is a size a trial ran.
 
-    With --gpus N (or --nodes and --gpus-per-node), a model built from its config (an LLM preset
-    or a config.json) is sharded with FSDP2 over a fake process group of N ranks, and one rank's
-    real trials run on this device: the largest micro-batch per rank."""
+    With --gpus N (or --nodes and --gpus-per-node), the model (built from its config for an LLM
+    preset or a config.json, else the workload's own, copied) is sharded with FSDP2 over a fake
+    process group of N ranks, and one rank's real trials run on this device: the largest
+    micro-batch per rank."""
+    loaded = functools.partial(
+        load_for_cli, workload, seq_len, image_size, amp, framework.value if framework else None, keep_output
+    )
     if sharded.wants_sharded(workload, gpus, nodes, fsdp, hybrid_shard):
         world = sharded.world_size_of(gpus, nodes, gpus_per_node)
         choices = sharded.parallelisms(world, hybrid_shard, param_dtype, reduce_dtype, activation_checkpointing)
-        work, options = one_rank.rank_workload(workload, seq_len, choices, rank)
+        work, options = one_rank.rank_workload(workload, seq_len, choices, rank, loaded)
         dev = device_for(work, device)
         heading = one_rank.header(work, dev)
     else:
-        work, options = load_for_cli(
-            workload, seq_len, image_size, amp, framework.value if framework else None, keep_output
-        )
+        work, options = loaded()
         dev = device_for(work, device)
         heading = header_line(work, dev)
     check_outputs(json_path, plot)
@@ -489,7 +491,13 @@ def plan(
     hybrid_shard: sharded.HybridShard = False,
     param_dtype: sharded.ParamDtype = None,
     reduce_dtype: sharded.ReduceDtype = None,
-    activation_checkpointing: sharded.Checkpointing = "none,full",
+    activation_checkpointing: Annotated[
+        str | None,
+        typer.Option(
+            help="none, selective, full, or several to compare (a model from its config; default none,full); "
+            "one choice for a WORKLOAD of your own with --gpus (default none)."
+        ),
+    ] = None,
     verify: Annotated[
         bool,
         typer.Option(
@@ -527,14 +535,20 @@ def plan(
         goal=goal.value if goal else None,
         model_family=model_family,
     )
+    ranks = None  # a workload of the user's own with --gpus: one rank's real trials measure it
     if workload is not None and sharded.wants_sharded(workload, gpus, nodes, fsdp, hybrid_shard):
         world = sharded.world_size_of(gpus, nodes, gpus_per_node)
         if devices is not None and devices != world[0]:
             raise InputError(f"--devices {devices} disagrees with the {world[0]} ranks of --gpus/--nodes: give one")
-        choices = sharded.parallelisms(world, hybrid_shard, param_dtype, reduce_dtype, activation_checkpointing)
-        verify_on = device if verify else None
-        _plan_sharded(planning, workload, gpu, seq_len or sharded.DEFAULT_SEQ_LEN, choices, json_path, verify_on)
-        return
+        if sharded.from_config(workload):
+            choices = sharded.parallelisms(
+                world, hybrid_shard, param_dtype, reduce_dtype, activation_checkpointing or "none,full"
+            )
+            verify_on = device if verify else None
+            _plan_sharded(planning, workload, gpu, seq_len or sharded.DEFAULT_SEQ_LEN, choices, json_path, verify_on)
+            return
+        ranks = sharded.parallelisms(world, hybrid_shard, param_dtype, reduce_dtype, activation_checkpointing or "none")
+        devices = world[0]
     if verify:
         raise InputError(
             "--verify confirms a plan traced on fake tensors: give a model from its config with --gpus and --gpu "
@@ -544,13 +558,15 @@ def plan(
     work = dev = None
     if workload is not None:
         work = with_loop(load_workload(workload, framework=None, seq_len=seq_len, only_accepted=True), keep_output)
+        if ranks is not None:
+            work, _ = one_rank.rank_workload(workload, seq_len, ranks, 0, lambda: (work, {}))
         dev = device_for(work, device)
         micro_batch_size = _measure_micro_batch(work, dev, settings, accumulating=False)
     if micro_batch_size is None:
         raise InputError("give --micro-batch-size N, or a WORKLOAD to measure it on")
     result = planning(micro_batch_size=micro_batch_size)
     # Later micro-batches of a window hold the gradients: measured so for torch workloads (MLX measures one step).
-    if isinstance(work, Workload) and result.gradient_accumulation_steps > 1:
+    if (isinstance(work, Workload) or ranks is not None) and result.gradient_accumulation_steps > 1:
         held = _measure_micro_batch(work, dev, settings.replace(max_batch_size=micro_batch_size), accumulating=True)
         result = planning(micro_batch_size=held)
     _print_plan(result)
@@ -599,11 +615,13 @@ def _measure_micro_batch(work: Any, dev: Any, settings: SearchSettings, *, accum
     as a later micro-batch of an accumulation window (the gradients held); printed."""
     held = " with the accumulation window's gradients held" if accumulating else ""
     if accumulating:
-        work = dataclasses.replace(work, accumulating=True)
+        work = one_rank.accumulating(work)
     with console.status(f"Measuring the largest micro-batch{held}", spinner="dots"):
         measured = search_workload(work, settings, device=dev)
+    per_rank = f" ({work.mode()})" if hasattr(work, "parallelism") else ""  # one rank's real trials
     console.print(
-        f"Measured on {measured.device}{held}: the largest micro-batch is {measured.batch_size}.", highlight=False
+        f"Measured on {measured.device}{per_rank}{held}: the largest micro-batch is {measured.batch_size}.",
+        highlight=False,
     )
     return measured.batch_size
 

@@ -20,25 +20,36 @@ from batchfit.errors import InputError
 Rank = Annotated[int, typer.Option(help="With --gpus: the rank whose real trials run (0 to N-1).")]
 
 
-def rank_workload(workload: str, seq_len: int | None, choices: list[Any], rank: int) -> tuple[Any, dict[str, Any]]:
-    """The ``RankWorkload`` of ``workload`` (a preset or a config.json) as ``rank`` of the one
-    parallelism in ``choices``, and the options that reached it (for the JSON)."""
+def rank_workload(
+    workload: str, seq_len: int | None, choices: list[Any], rank: int, loaded: Any = None
+) -> tuple[Any, dict[str, Any]]:
+    """What one rank of the one parallelism in ``choices`` trains, for real trials over the fake
+    group: a ``RankWorkload`` of a model from its config (an LLM preset or a config.json), or the
+    ``ShardedCopy`` of ``loaded()`` (the workload the CLI loads, with its options for the JSON)."""
     from batchfit.cli.sharded import DEFAULT_SEQ_LEN
-    from batchfit.parallel.models import LLM_PRESETS
+    from batchfit.cli.sharded import from_config
     from batchfit.parallel.one_rank import RankWorkload
 
     if len(choices) != 1:
-        raise InputError("batchfit find tries one activation-checkpointing choice at a time: give none or full")
-    if not (workload in LLM_PRESETS or workload.endswith(".json")):
         raise InputError(
-            f"one-rank trials at a world size build the model from its config: give an LLM preset "
-            f"(batchfit list-workloads) or a config.json, not {workload!r}"
+            "one-rank trials run one activation-checkpointing choice at a time: give none, selective or full"
         )
     _refuse_inside_a_group()
     parallelism = dataclasses.replace(choices[0], rank=rank)
-    seq_len = seq_len or DEFAULT_SEQ_LEN
-    work = RankWorkload(workload, seq_len, parallelism)
-    return work, {"seq_len": seq_len, "parallelism": parallelism.to_dict()}
+    if from_config(workload):
+        seq_len = seq_len or DEFAULT_SEQ_LEN
+        return RankWorkload(workload, seq_len, parallelism), {"seq_len": seq_len, "parallelism": parallelism.to_dict()}
+    work, options = loaded()
+    return parallelism.one_rank(work), {**options, "parallelism": parallelism.to_dict()}
+
+
+def accumulating(work: Any) -> Any:
+    """``work`` run as a later micro-batch of an accumulation window (its gradients held): a
+    ``Workload`` or one rank's ``ShardedCopy`` of one."""
+    own = getattr(work, "workload", None)
+    if own is not None:
+        return dataclasses.replace(work, workload=dataclasses.replace(own, accumulating=True))
+    return dataclasses.replace(work, accumulating=True)
 
 
 def _refuse_inside_a_group() -> None:
@@ -64,9 +75,15 @@ def header(work: Any, device: Any) -> str:
     """The first lines of ``batchfit find`` for one rank: the model, the rank, the device, what is measured."""
     from batchfit.cli.sharded import describe_parallelism
 
+    own = getattr(work, "workload", None)  # a ShardedCopy of the user's workload
+    if own is not None:
+        optimizer = type(own.optimizer).__name__ if own.optimizer is not None else "no optimizer"
+        batches = "its own micro-batches"
+    else:
+        optimizer, batches = "AdamW", f"micro-batches of {work.seq_len} tokens"
     line = (
-        f"batchfit find: [bold]{escape(work.name)}[/] ({parameters_text(work.parameter_count())} parameters, AdamW), "
-        f"{describe_parallelism(work.parallelism)}, micro-batches of {work.seq_len} tokens on [bold]{device.name}[/]"
+        f"batchfit find: [bold]{escape(work.name)}[/] ({parameters_text(work.parameter_count())} parameters, "
+        f"{optimizer}), {describe_parallelism(work.parallelism)}, {batches} on [bold]{device.name}[/]"
         f"\nOne rank, real trials: this rank's shards only, over torch's fake process group; "
         f"collectives are not run and NCCL's buffers are not counted."
     )

@@ -69,10 +69,18 @@ def wants_sharded(workload: str, gpus: int | None, nodes: int | None, fsdp: bool
     >>> wants_sharded("llama-3-8b", None, None, False, False), wants_sharded("gpt-tiny", None, None, False, False)
     (True, False)
     """
+    return from_config(workload) or gpus is not None or nodes is not None or fsdp or hybrid_shard
+
+
+def from_config(workload: str) -> bool:
+    """Whether ``workload`` names a model built from its config: an LLM preset or a config.json.
+
+    >>> from_config("llama-3-8b"), from_config("my/config.json"), from_config("train.py:make")
+    (True, True, False)
+    """
     from batchfit.parallel.models import LLM_PRESETS
 
-    from_config = workload in LLM_PRESETS or workload.endswith(".json")
-    return from_config or gpus is not None or nodes is not None or fsdp or hybrid_shard
+    return workload in LLM_PRESETS or workload.endswith(".json")
 
 
 def world_size_of(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> tuple[int, int | None]:

@@ -32,6 +32,7 @@ from batchfit.devices.resolve import resolve_device
 from batchfit.devices.trace import TraceDevice
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
+from batchfit.errors import ModelDoesNotFitError
 from batchfit.parallel.models import ModelSpec
 from batchfit.parallel.models import model_builder
 from batchfit.parallel.settings import Parallelism
@@ -181,7 +182,12 @@ class RankProber:
             mesh = stack.enter_context(fake_world(self.work.parallelism, torch_device.type))
             step = self.work.build(mesh, torch_device)
             inner = Prober(step, self.device, steps=self.steps, limit_bytes=self.limit_bytes)
-            self._prober = stack.enter_context(inner)
+            try:
+                self._prober = stack.enter_context(inner)
+            except ModelDoesNotFitError as error:
+                raise ModelDoesNotFitError(
+                    f"one rank's share of {self.work.parallelism.world_size}: {error}, or shard over more ranks"
+                ) from None
             self.baseline_bytes = self._prober.baseline_bytes
             self._stack = stack.pop_all()
         return self
