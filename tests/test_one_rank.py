@@ -106,8 +106,8 @@ def test_the_cli_runs_one_rank_and_says_what_it_measured(tmp_path, monkeypatch) 
     document = json.loads((tmp_path / "out.json").read_text())
     assert document["mode"].startswith("one rank of 2") and document["parallelism"]["world_size"] == 2
     assert [t["batch_size"] for t in document["trials"]][:2] == [2, 3]
-    wrong = CliRunner().invoke(app, ["find", "gpt-tiny", "--gpus", "2", "--device", "sim:4MiB"])
-    assert wrong.exit_code == 2 and "build the model from its config" in wrong.output
+    several = CliRunner().invoke(app, [*args[:6], "--activation-checkpointing", "none,full"])
+    assert several.exit_code == 2 and "one activation-checkpointing choice at a time" in several.output
     bad_rank = CliRunner().invoke(app, [*args[:6], "--rank", "2"])
     assert bad_rank.exit_code == 2 and "rank must be an integer from 0 to world_size - 1 = 1" in bad_rank.output
     assert torch.distributed.is_initialized() is False
