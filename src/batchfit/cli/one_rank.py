@@ -108,20 +108,17 @@ def verification_device(device: str, capacity_bytes: int) -> Any:
 
 def verify_plan(workload: str, seq_len: int, found: list[tuple[Any, Any]], device: Any) -> list[dict[str, Any]]:
     """Confirm each activation-checkpointing choice's traced answer with one rank's real trials
-    at that micro-batch and the one above, printed side by side with the fake figures; the rows."""
+    at that micro-batch and the one above (``verify_largest``), printed side by side with the fake
+    figures; the rows, JSON-ready."""
     from rich.table import Table
 
     from batchfit.cli.common import console
-    from batchfit.parallel.one_rank import probe_rank_batch_size
+    from batchfit.parallel.one_rank import verify_largest
 
     rows = []
-    for parallelism, largest in found:
-        for batch_size, fake in ((largest.batch_size, largest.estimate), (largest.batch_size + 1, largest.above)):
-            if batch_size < 1:
-                continue
-            with console.status(f"Real trial of one rank at micro-batch {batch_size}"):
-                trial = probe_rank_batch_size(workload, seq_len, batch_size, parallelism=parallelism, device=device)
-            rows.append(_verified_row(parallelism, batch_size, fake, trial))
+    for _, largest in found:
+        with console.status(f"Real trials of one rank at micro-batch {max(largest.batch_size, 1)} and above"):
+            rows += [row.to_dict() for row in verify_largest(workload, seq_len, largest, device=device)]
     table = Table(title=f"Verified on {device.name}: one rank's real trials against the fake-tensor estimate")
     for column in ("checkpointing", "micro-batch", "fake peak", "real peak", "difference", "real trial"):
         table.add_column(column, justify="left" if column == "checkpointing" else "right")
@@ -129,21 +126,6 @@ def verify_plan(workload: str, seq_len: int, found: list[tuple[Any, Any]], devic
         table.add_row(*_row_cells(row))
     console.print(table)
     return rows
-
-
-def _verified_row(parallelism: Any, batch_size: int, fake: Any, trial: Any) -> dict[str, Any]:
-    fake_bytes = fake.peak_bytes if fake is not None else None
-    real_bytes = trial.peak_bytes
-    both = fake_bytes is not None and real_bytes is not None
-    return {
-        "activation_checkpointing": parallelism.activation_checkpointing,
-        "batch_size": batch_size,
-        "fake_peak_bytes": fake_bytes,
-        "real_peak_bytes": real_bytes,
-        "difference_bytes": real_bytes - fake_bytes if both else None,
-        "fits": trial.fits,
-        "error": trial.error,
-    }
 
 
 def _row_cells(row: dict[str, Any]) -> tuple[str, ...]:

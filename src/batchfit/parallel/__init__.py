@@ -15,8 +15,10 @@ from batchfit.parallel.models import LLM_PRESETS
 from batchfit.parallel.models import TinyTransformer
 from batchfit.parallel.models import model_config
 from batchfit.parallel.one_rank import RankWorkload
+from batchfit.parallel.one_rank import Verification
 from batchfit.parallel.one_rank import find_rank_batch_size
 from batchfit.parallel.one_rank import probe_rank_batch_size
+from batchfit.parallel.one_rank import verify_largest
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import RankSession
 from batchfit.parallel.trace import ShardedEstimate
@@ -31,10 +33,12 @@ __all__ = [
     "RankWorkload",
     "ShardedEstimate",
     "TinyTransformer",
+    "Verification",
     "fake_world",
     "find_rank_batch_size",
     "largest_batch_size",
     "model_config",
     "probe_rank_batch_size",
     "trace_rank",
+    "verify_largest",
 ]

@@ -297,3 +297,72 @@ def probe_rank_batch_size(
 
     work = RankWorkload(model, seq_len, parallelism, dtype, optimizer)
     return probe_workload(work, batch_size, device=device, steps=steps, margin=margin)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """One micro-batch size's fake-tensor estimate beside one rank's real trial of it."""
+
+    batch_size: int
+    fake_peak_bytes: int | None
+    trial: Trial
+    parallelism: Parallelism
+
+    @property
+    def real_peak_bytes(self) -> int | None:
+        return self.trial.peak_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.trial.fits
+
+    @property
+    def difference_bytes(self) -> int | None:
+        """Real minus fake, where both are known (a real trial that ran out of memory has no peak)."""
+        if self.fake_peak_bytes is None or self.trial.peak_bytes is None:
+            return None
+        return self.trial.peak_bytes - self.fake_peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "activation_checkpointing": self.parallelism.activation_checkpointing,
+            "batch_size": self.batch_size,
+            "fake_peak_bytes": self.fake_peak_bytes,
+            "real_peak_bytes": self.real_peak_bytes,
+            "difference_bytes": self.difference_bytes,
+            "fits": self.fits,
+            "error": self.trial.error,
+        }
+
+
+def verify_largest(
+    model: ModelSpec,
+    seq_len: int,
+    found: Any,
+    *,
+    device: Any = None,
+    dtype: torch.dtype = torch.float32,
+    optimizer: OptimizerFactory | None = None,
+) -> list[Verification]:
+    """Confirm ``found`` (a ``LargestBatch`` from ``largest_batch_size``: the fake-tensor answer)
+    with one rank's real trials on ``device``: at its micro-batch and the one above (at 1 alone
+    when none fitted), each beside the fake peak.
+
+    >>> from batchfit.parallel.fit import largest_batch_size
+    >>> from batchfit.parallel.models import TinyTransformer
+    >>> found = largest_batch_size(TinyTransformer, 16, "2MiB", parallelism=Parallelism(world_size=2))
+    >>> [(row.batch_size, row.fits, row.difference_bytes) for row in verify_largest(TinyTransformer, 16, found,
+    ...                                                                            device="sim:2MiB")]
+    [(3, True, 0), (4, False, None)]
+    """
+    parallelism = found.estimate.parallelism
+    sizes = [(1, found.estimate)] if found.batch_size == 0 else [(found.batch_size, found.estimate)]
+    if found.batch_size > 0:
+        sizes.append((found.batch_size + 1, found.above))
+    rows = []
+    for batch_size, fake in sizes:
+        trial = probe_rank_batch_size(
+            model, seq_len, batch_size, parallelism=parallelism, device=device, dtype=dtype, optimizer=optimizer
+        )
+        rows.append(Verification(batch_size, fake.peak_bytes if fake is not None else None, trial, parallelism))
+    return rows
