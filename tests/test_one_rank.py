@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from importlib import resources
 
+import jsonschema
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ from batchfit.parallel.wrap import shard_model
 from fsdp_cases import CASES
 from fsdp_cases import SMALL_LLAMA
 
+SCHEMA = resources.files("batchfit").joinpath("search/schemas/search_result.schema.json")
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators")
 
 
@@ -105,6 +108,7 @@ def test_the_cli_runs_one_rank_and_says_what_it_measured(tmp_path, monkeypatch) 
     assert "One rank, real trials" in result.output and "rank 0 of 2, FSDP2 full shard" in result.output
     document = json.loads((tmp_path / "out.json").read_text())
     assert document["mode"].startswith("one rank of 2") and document["parallelism"]["world_size"] == 2
+    jsonschema.validate(document, json.loads(SCHEMA.read_text()))
     assert [t["batch_size"] for t in document["trials"]][:2] == [2, 3]
     several = CliRunner().invoke(app, [*args[:6], "--activation-checkpointing", "none,full"])
     assert several.exit_code == 2 and "one activation-checkpointing choice at a time" in several.output
