@@ -24,7 +24,7 @@ DEFAULT_SEQ_LEN = 4096  # a model from its config trains on token ids: this many
 
 Gpus = Annotated[
     int | None,
-    typer.Option(help="Ranks in all (GPUs over every node): memory is traced per rank, with FSDP2 over a fake group."),
+    typer.Option(help="Ranks in all (GPUs over every node): memory per rank, under FSDP2 over a fake process group."),
 ]
 Nodes = Annotated[int | None, typer.Option(help="Nodes; with --gpus-per-node, the ranks are their product.")]
 GpusPerNode = Annotated[int | None, typer.Option(help="Ranks per node (hybrid shard splits within a node).")]
