@@ -35,6 +35,7 @@ from batchfit.cli.common import header_line
 from batchfit.cli.common import load_for_cli
 from batchfit.cli.common import parse_margin
 from batchfit.cli.common import with_loop
+from batchfit.cli.examples import BUILTIN_WORKLOADS
 from batchfit.cli.report import breakdown_table
 from batchfit.cli.report import print_result
 from batchfit.cli.report import result_document
@@ -261,6 +262,11 @@ def estimate(
     if sharded.wants_sharded(workload, gpus, nodes, fsdp, hybrid_shard):
         world = sharded.world_size_of(gpus, nodes, gpus_per_node)
         choices = sharded.parallelisms(world, hybrid_shard, param_dtype, reduce_dtype, activation_checkpointing)
+        if not sharded.from_config(workload) and (":" in workload or workload in BUILTIN_WORKLOADS):
+            raise InputError(
+                f"a sharded estimate builds the model from its config (an LLM preset or a config.json); for "
+                f"{workload!r}, run one rank's real trials: batchfit find {workload} --gpus {world[0]} --device sim:8GiB"
+            )
         check_outputs(json_path, plot)
         sharded.estimate_sharded(workload, gpu or capacity, batch_size, seq_len, choices, json_path, quiet)
         return
