@@ -26,7 +26,12 @@ from fsdp_cases import CASES
 from fsdp_cases import SMALL_LLAMA
 
 SCHEMA = resources.files("batchfit").joinpath("search/schemas/search_result.schema.json")
-pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:DTensor random operators"),
+    pytest.mark.filterwarnings(
+        "ignore:`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+    ),
+]
 
 
 @pytest.mark.parametrize(("name", "world_size"), [("tiny", 2), ("llama_checkpointed", 4)])

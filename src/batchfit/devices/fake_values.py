@@ -205,6 +205,8 @@ class TraceFakeMode(FakeTensorMode):
             handled = self.nested.dispatch(func, args, kwargs)
             if handled is not UNKNOWN:
                 return handled
+        if _needs_no_kernel(func, args, kwargs, self):
+            return args[0]  # what the fake kernel returns, without its cost (see _needs_no_kernel)
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
         except (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException):
@@ -249,6 +251,68 @@ class TraceFakeMode(FakeTensorMode):
         fake = self.fake_like(real.shape, real.dtype, device, real.stride())
         self.shadows.add(fake, real)
         return fake
+
+
+# -- in-place element-wise ops: the answer known without the fake kernel ----------------------------
+#
+# An optimizer step is mostly in-place element-wise ops on tensors of one shape (Adam: ``lerp_``,
+# ``mul_``, ``addcmul_``, ``addcdiv_`` per parameter), and a state restore is ``copy_``. Their fake
+# kernel returns the tensor written, makes no storage, and can fail only on shapes, dtypes,
+# devices or overlapping memory; where every tensor is a fake of this mode with the written
+# tensor's shape, dtype and device, dense, whole and alone in its storage (or the written tensor
+# itself), and every other argument a plain number, none of those can fail, and its answer is the
+# written tensor: the fake kernel's cost (hashing its cache key, the meta kernel) is skipped.
+# Values: such an op involves no kept real values (the written tensor has none; see ``_follow``).
+_NUMBERS = (int, float, bool)
+_REAL_SCALAR_DTYPES = frozenset((torch.float64, torch.int64, torch.bool))  # a Python number's tensor
+_TAKE_REAL_SCALAR = frozenset(("aten::add_.Tensor", "aten::sub_.Tensor", "aten::mul_.Tensor", "aten::div_.Tensor"))
+
+
+@functools.cache
+def _in_place_elementwise(func: Any) -> str | None:
+    """``func``'s name (``aten::mul_.Tensor``) when it is an in-place element-wise op writing only
+    its first argument (or ``copy_``), else ``None``."""
+    if func.namespace != "aten" or torch.Tag.nondeterministic_seeded in func.tags:
+        return None
+    name = f"{func._schema.name}.{func._overloadname}"
+    pointwise = torch.Tag.pointwise in func.tags or name == "aten::copy_.default"
+    returns_self = len(func._schema.returns) == 1 and func._schema.returns[0].alias_info is not None
+    writes_self = _written_arguments(func) == ((0, "self"),)
+    return name if pointwise and returns_self and writes_self and func._schema.name.endswith("_") else None
+
+
+def _whole(tensor: torch.Tensor) -> bool:
+    """Dense and alone in its storage: any other such tensor shares all of its memory or none."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return tensor.storage_offset() == 0 and tensor.is_contiguous() and tensor.untyped_storage().nbytes() == nbytes
+
+
+def _needs_no_kernel(func: Any, args: tuple, kwargs: dict, mode: TraceFakeMode) -> bool:
+    """Whether ``func(*args, **kwargs)`` is an in-place element-wise op whose fake kernel would
+    only return ``args[0]`` (see the comment above)."""
+    name = _in_place_elementwise(func)
+    if name is None or not args:
+        return False
+    target = args[0]
+    if type(target) is not fake_tensor.FakeTensor or target.fake_mode is not mode or target.constant is not None:
+        return False
+    if not target.dtype.is_floating_point or id(target) in mode.shadows._values or not _whole(target):
+        return False
+    shape, dtype, device = target.shape, target.dtype, target.device
+    for value in (*args[1:], *kwargs.values()):
+        if isinstance(value, fake_tensor.FakeTensor):
+            if value is target:
+                continue
+            if value.fake_mode is not mode or value.constant is not None:
+                return False
+            if value.shape != shape or value.dtype != dtype or value.device != device or not _whole(value):
+                return False
+        elif type(value) is torch.Tensor:
+            if name not in _TAKE_REAL_SCALAR or value.dim() != 0 or value.dtype not in _REAL_SCALAR_DTYPES:
+                return False
+        elif type(value) not in _NUMBERS:
+            return False
+    return True
 
 
 def _device_of(args: tuple) -> torch.device:
