@@ -62,6 +62,7 @@ from batchfit.step.workload import Workload
     "find", epilog="Example: batchfit find gpt-tiny --seq-len 128 --device sim:8GiB --json out.json --plot out.png"
 )
 @cli_errors
+@sharded.parallel_options
 def find(
     workload: Annotated[
         str, typer.Argument(help="A built-in name, module:function or path/to/file.py:function.")
@@ -99,13 +100,7 @@ def find(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of peak memory against batch size here.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the batch size.")] = False,
-    gpus: sharded.Gpus = None,
-    nodes: sharded.Nodes = None,
-    gpus_per_node: sharded.GpusPerNode = None,
-    fsdp: sharded.Fsdp = False,
-    hybrid_shard: sharded.HybridShard = False,
-    param_dtype: sharded.ParamDtype = None,
-    reduce_dtype: sharded.ReduceDtype = None,
+    parallel: sharded.ParallelOptions = sharded.NO_PARALLEL_OPTIONS,
     activation_checkpointing: sharded.Checkpointing = "none",
     rank: one_rank.Rank = 0,
     debug: Debug = False,
@@ -119,10 +114,10 @@ def find(
     loaded = functools.partial(
         load_for_cli, workload, seq_len, image_size, amp, framework.value if framework else None, keep_output
     )
-    if sharded.wants_sharded(workload, gpus, nodes, fsdp, hybrid_shard):
-        world = sharded.world_size_of(gpus, nodes, gpus_per_node)
-        choices = sharded.parallelisms(world, hybrid_shard, param_dtype, reduce_dtype, activation_checkpointing)
-        work, options = one_rank.rank_workload(workload, seq_len, choices, rank, loaded)
+    if parallel.wanted(workload):
+        work, options = one_rank.rank_workload(
+            workload, seq_len, parallel.choices(activation_checkpointing), rank, loaded
+        )
         dev = device_for(work, device)
         heading = one_rank.header(work, dev)
     else:
@@ -216,6 +211,7 @@ def _interrupted(done: list[Trial], dev: Any) -> None:
 
 @app.command("estimate", epilog="Example: batchfit estimate gpt-tiny --seq-len 1024 --gpu a100-40gb --batch-size 32")
 @cli_errors
+@sharded.parallel_options
 def estimate(
     workload: Annotated[
         str, typer.Argument(help="A built-in name, module:function or path/to/file.py:function.")
@@ -235,13 +231,7 @@ def estimate(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the estimate as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory curve here.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the largest batch size.")] = False,
-    gpus: sharded.Gpus = None,
-    nodes: sharded.Nodes = None,
-    gpus_per_node: sharded.GpusPerNode = None,
-    fsdp: sharded.Fsdp = False,
-    hybrid_shard: sharded.HybridShard = False,
-    param_dtype: sharded.ParamDtype = None,
-    reduce_dtype: sharded.ReduceDtype = None,
+    parallel: sharded.ParallelOptions = sharded.NO_PARALLEL_OPTIONS,
     activation_checkpointing: sharded.Checkpointing = "none",
     debug: Debug = False,
 ) -> None:
@@ -259,9 +249,8 @@ def estimate(
         raise InputError("give exactly one of --gpu (e.g. --gpu a100-40gb) or --capacity (e.g. --capacity 40GiB)")
     if batch_size is not None and batch_size < 1:
         raise InputError(f"--batch-size must be a positive integer, got {batch_size}")
-    if sharded.wants_sharded(workload, gpus, nodes, fsdp, hybrid_shard):
-        world = sharded.world_size_of(gpus, nodes, gpus_per_node)
-        choices = sharded.parallelisms(world, hybrid_shard, param_dtype, reduce_dtype, activation_checkpointing)
+    if parallel.wanted(workload):
+        world, choices = parallel.world(), parallel.choices(activation_checkpointing)
         if not sharded.from_config(workload) and (":" in workload or workload in BUILTIN_WORKLOADS):
             raise InputError(
                 f"a sharded estimate builds the model from its config (an LLM preset or a config.json); for "
@@ -444,6 +433,7 @@ class Goal(str, Enum):
     epilog="Example: batchfit plan --micro-batch-size 16 --global-batch-tokens 32768 --seq-len 256 --base-lr 3e-4 --base-batch-size 65536",
 )
 @cli_errors
+@sharded.parallel_options
 def plan(
     workload: Annotated[
         str | None, typer.Argument(help="Measure the micro-batch on this workload (else give --micro-batch-size).")
@@ -490,13 +480,7 @@ def plan(
         str | None,
         typer.Option(help="Per rank, for a model built from its config: a GPU preset (h100-80gb) or a size (80GiB)."),
     ] = None,
-    gpus: sharded.Gpus = None,
-    nodes: sharded.Nodes = None,
-    gpus_per_node: sharded.GpusPerNode = None,
-    fsdp: sharded.Fsdp = False,
-    hybrid_shard: sharded.HybridShard = False,
-    param_dtype: sharded.ParamDtype = None,
-    reduce_dtype: sharded.ReduceDtype = None,
+    parallel: sharded.ParallelOptions = sharded.NO_PARALLEL_OPTIONS,
     activation_checkpointing: Annotated[
         str | None,
         typer.Option(
@@ -542,18 +526,16 @@ def plan(
         model_family=model_family,
     )
     ranks = None  # a workload of the user's own with --gpus: one rank's real trials measure it
-    if workload is not None and sharded.wants_sharded(workload, gpus, nodes, fsdp, hybrid_shard):
-        world = sharded.world_size_of(gpus, nodes, gpus_per_node)
+    if workload is not None and parallel.wanted(workload):
+        world = parallel.world()
         if devices is not None and devices != world[0]:
             raise InputError(f"--devices {devices} disagrees with the {world[0]} ranks of --gpus/--nodes: give one")
         if sharded.from_config(workload):
-            choices = sharded.parallelisms(
-                world, hybrid_shard, param_dtype, reduce_dtype, activation_checkpointing or "none,full"
-            )
+            choices = parallel.choices(activation_checkpointing or "none,full")
             verify_on = device if verify else None
             _plan_sharded(planning, workload, gpu, seq_len or sharded.DEFAULT_SEQ_LEN, choices, json_path, verify_on)
             return
-        ranks = sharded.parallelisms(world, hybrid_shard, param_dtype, reduce_dtype, activation_checkpointing or "none")
+        ranks = parallel.choices(activation_checkpointing or "none")
         devices = world[0]
     if verify:
         raise InputError(

@@ -7,6 +7,10 @@ prints or writes what the traces say.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 from typing import Any
@@ -47,6 +51,64 @@ Checkpointing = Annotated[
         "compare: none,selective,full."
     ),
 ]
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """The world and sharding options ``find``, ``estimate`` and ``plan`` share (see ``parallel_options``)."""
+
+    gpus: int | None = None
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    fsdp: bool = False
+    hybrid_shard: bool = False
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+
+    def wanted(self, workload: str) -> bool:
+        """Whether the command takes the sharded path (see ``wants_sharded``)."""
+        return wants_sharded(workload, self.gpus, self.nodes, self.fsdp, self.hybrid_shard)
+
+    def world(self) -> tuple[int, int | None]:
+        """The ranks in all and per node (see ``world_size_of``)."""
+        return world_size_of(self.gpus, self.nodes, self.gpus_per_node)
+
+    def choices(self, checkpointing: str) -> list[Any]:
+        """One ``Parallelism`` per activation-checkpointing choice (see ``parallelisms``)."""
+        return parallelisms(self.world(), self.hybrid_shard, self.param_dtype, self.reduce_dtype, checkpointing)
+
+
+NO_PARALLEL_OPTIONS = ParallelOptions()
+
+OPTION_TYPES = {
+    "gpus": (Gpus, None),
+    "nodes": (Nodes, None),
+    "gpus_per_node": (GpusPerNode, None),
+    "fsdp": (Fsdp, False),
+    "hybrid_shard": (HybridShard, False),
+    "param_dtype": (ParamDtype, None),
+    "reduce_dtype": (ReduceDtype, None),
+}
+
+
+def parallel_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """A typer command with the options of ``ParallelOptions`` (``--gpus``, ``--nodes``, ...)
+    added to its signature, which receives them as one ``parallel: ParallelOptions`` argument."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "parallel"]
+    added = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+        for name, (annotation, default) in OPTION_TYPES.items()
+    ]
+
+    @functools.wraps(command)
+    def with_options(*args: Any, **kwargs: Any) -> Any:
+        parallel = ParallelOptions(**{name: kwargs.pop(name) for name in OPTION_TYPES})
+        return command(*args, parallel=parallel, **kwargs)
+
+    with_options.__signature__ = signature.replace(parameters=[*own, *added])
+    with_options.__annotations__ = {p.name: p.annotation for p in (*own, *added)}
+    return with_options
 
 
 def capacity_of(capacity: str) -> tuple[int, str]:

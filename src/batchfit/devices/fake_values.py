@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
@@ -205,8 +206,9 @@ class TraceFakeMode(FakeTensorMode):
             handled = self.nested.dispatch(func, args, kwargs)
             if handled is not UNKNOWN:
                 return handled
-        if _needs_no_kernel(func, args, kwargs, self):
-            return args[0]  # what the fake kernel returns, without its cost (see _needs_no_kernel)
+        quick = _elementwise_answer(func, args, kwargs, self)
+        if quick is not None:
+            return quick  # what the fake kernel returns, without its cost (see _elementwise_answer)
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
         except (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException):
@@ -253,66 +255,139 @@ class TraceFakeMode(FakeTensorMode):
         return fake
 
 
-# -- in-place element-wise ops: the answer known without the fake kernel ----------------------------
+# -- element-wise ops: the answer known without the fake kernel ------------------------------------
 #
-# An optimizer step is mostly in-place element-wise ops on tensors of one shape (Adam: ``lerp_``,
-# ``mul_``, ``addcmul_``, ``addcdiv_`` per parameter), and a state restore is ``copy_``. Their fake
-# kernel returns the tensor written, makes no storage, and can fail only on shapes, dtypes,
-# devices or overlapping memory; where every tensor is a fake of this mode with the written
-# tensor's shape, dtype and device, dense, whole and alone in its storage (or the written tensor
-# itself), and every other argument a plain number, none of those can fail, and its answer is the
-# written tensor: the fake kernel's cost (hashing its cache key, the meta kernel) is skipped.
-# Values: such an op involves no kept real values (the written tensor has none; see ``_follow``).
+# Most of a step's ops are element-wise on tensors of one shape: an optimizer step (Adam: ``lerp_``,
+# ``mul_``, ``addcmul_``, ``sqrt``, ``div``, ``addcdiv_`` per parameter), activations and their
+# gradients, a state restore's ``copy_``. Where every tensor is a fake of this mode with the first
+# one's shape, dtype (floating) and device, dense, whole and alone in its storage (or the first one
+# itself), and every other argument a plain number (or, for the four arithmetic ops, a Python
+# number's 0-dim tensor), such an op cannot fail on shapes, dtypes, devices or overlapping memory,
+# and its fake kernel's answer is known: the first argument (in place) or a new dense tensor like
+# it. The trace gives that answer without the kernel's cost (its cache key, the meta kernel), the
+# same fake tensor, storage and bytes. None of the tensors has kept values (see ``_follow``).
 _NUMBERS = (int, float, bool)
 _REAL_SCALAR_DTYPES = frozenset((torch.float64, torch.int64, torch.bool))  # a Python number's tensor
-_TAKE_REAL_SCALAR = frozenset(("aten::add_.Tensor", "aten::sub_.Tensor", "aten::mul_.Tensor", "aten::div_.Tensor"))
+_ARITHMETIC = frozenset(f"aten::{name}{suffix}" for name in ("add", "sub", "mul", "div") for suffix in ("", "_"))
+_SAME_DTYPE_OUT = frozenset(  # out-of-place: a new tensor of the first argument's shape and dtype
+    f"aten::{name}"
+    for name in [
+        "add.Tensor",
+        "sub.Tensor",
+        "mul.Tensor",
+        "div.Tensor",
+        "sqrt.default",
+        "rsqrt.default",
+        "neg.default",
+        "exp.default",
+        "reciprocal.default",
+        "relu.default",
+        "sigmoid.default",
+        "tanh.default",
+        "threshold_backward.default",
+        "hardswish.default",
+        "hardswish_backward.default",
+        "gelu.default",
+        "gelu_backward.default",
+        "sigmoid_backward.default",
+        "tanh_backward.default",
+        "silu.default",
+        "silu_backward.default",
+    ]
+)
+_IN_PLACE = frozenset(  # in place: the first argument, written
+    f"aten::{name}"
+    for name in [
+        "add_.Tensor",
+        "add_.Scalar",
+        "sub_.Tensor",
+        "sub_.Scalar",
+        "mul_.Tensor",
+        "mul_.Scalar",
+        "div_.Tensor",
+        "div_.Scalar",
+        "lerp_.Scalar",
+        "lerp_.Tensor",
+        "addcmul_.default",
+        "addcdiv_.default",
+        "copy_.default",
+        "zero_.default",
+        "fill_.Scalar",
+        "sqrt_.default",
+        "neg_.default",
+        "exp_.default",
+        "relu_.default",
+        "sigmoid_.default",
+        "tanh_.default",
+    ]
+)
 
 
 @functools.cache
-def _in_place_elementwise(func: Any) -> str | None:
-    """``func``'s name (``aten::mul_.Tensor``) when it is an in-place element-wise op writing only
-    its first argument (or ``copy_``), else ``None``."""
-    if func.namespace != "aten" or torch.Tag.nondeterministic_seeded in func.tags:
+def _elementwise_kind(func: Any) -> str | None:
+    """``"in place"`` for one of ``_IN_PLACE``, ``"new"`` for one of ``_SAME_DTYPE_OUT``, else ``None``."""
+    if func.namespace != "aten":
         return None
     name = f"{func._schema.name}.{func._overloadname}"
-    pointwise = torch.Tag.pointwise in func.tags or name == "aten::copy_.default"
-    returns_self = len(func._schema.returns) == 1 and func._schema.returns[0].alias_info is not None
-    writes_self = _written_arguments(func) == ((0, "self"),)
-    return name if pointwise and returns_self and writes_self and func._schema.name.endswith("_") else None
+    if name in _IN_PLACE:
+        return "in place"
+    return "new" if name in _SAME_DTYPE_OUT else None
 
 
 def _whole(tensor: torch.Tensor) -> bool:
-    """Dense and alone in its storage: any other such tensor shares all of its memory or none."""
-    nbytes = tensor.numel() * tensor.element_size()
-    return tensor.storage_offset() == 0 and tensor.is_contiguous() and tensor.untyped_storage().nbytes() == nbytes
+    """Row-major with ``torch.empty``'s strides and alone in its storage: any other such tensor
+    shares all of its memory or none, and an element-wise op's output is laid out like it."""
+    if tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != _nbytes(tensor):
+        return False
+    return tuple(tensor.stride()) == tuple(make_contiguous_strides_for(tensor.shape))
 
 
-def _needs_no_kernel(func: Any, args: tuple, kwargs: dict, mode: TraceFakeMode) -> bool:
-    """Whether ``func(*args, **kwargs)`` is an in-place element-wise op whose fake kernel would
-    only return ``args[0]`` (see the comment above)."""
-    name = _in_place_elementwise(func)
-    if name is None or not args:
-        return False
-    target = args[0]
-    if type(target) is not fake_tensor.FakeTensor or target.fake_mode is not mode or target.constant is not None:
-        return False
-    if not target.dtype.is_floating_point or id(target) in mode.shadows._values or not _whole(target):
-        return False
-    shape, dtype, device = target.shape, target.dtype, target.device
+def _plain_fake(tensor: Any, mode: TraceFakeMode) -> bool:
+    """A fake of ``mode`` with no constant, no kept values, floating, dense and whole."""
+    return (
+        type(tensor) is fake_tensor.FakeTensor
+        and tensor.fake_mode is mode
+        and tensor.constant is None
+        and tensor.dtype.is_floating_point
+        and id(tensor) not in mode.shadows._values
+        and _whole(tensor)
+    )
+
+
+def _like_first(func: Any, kind: str, args: tuple, kwargs: dict, mode: TraceFakeMode) -> bool:
+    """Whether every argument after the first is the first's like (see the comment above)."""
+    first = args[0]
     for value in (*args[1:], *kwargs.values()):
         if isinstance(value, fake_tensor.FakeTensor):
-            if value is target:
+            if value is first:
                 continue
-            if value.fake_mode is not mode or value.constant is not None:
-                return False
-            if value.shape != shape or value.dtype != dtype or value.device != device or not _whole(value):
+            if not _plain_fake(value, mode) or (value.shape, value.dtype, value.device) != (
+                first.shape,
+                first.dtype,
+                first.device,
+            ):
                 return False
         elif type(value) is torch.Tensor:
-            if name not in _TAKE_REAL_SCALAR or value.dim() != 0 or value.dtype not in _REAL_SCALAR_DTYPES:
+            scalar = value.dim() == 0 and value.dtype in _REAL_SCALAR_DTYPES and first.dim() > 0
+            if not scalar or func._schema.name not in _ARITHMETIC:
                 return False
-        elif type(value) not in _NUMBERS:
+        elif type(value) not in _NUMBERS and not (kind == "new" and type(value) is str):  # gelu's approximate
             return False
     return True
+
+
+def _elementwise_answer(func: Any, args: tuple, kwargs: dict, mode: TraceFakeMode) -> torch.Tensor | None:
+    """The fake kernel's answer to an element-wise op where it is known without running it (see
+    the comment above), else ``None``."""
+    kind = _elementwise_kind(func)
+    if kind is None or not args or not _plain_fake(args[0], mode) or not _like_first(func, kind, args, kwargs, mode):
+        return None
+    first = args[0]
+    if kind == "in place":
+        return first
+    with fake_tensor.in_kernel_invocation_manager(mode):
+        empty = torch.empty(first.shape, dtype=first.dtype, device="meta")
+    return fake_tensor.FakeTensor(mode, empty, first.device)
 
 
 def _device_of(args: tuple) -> torch.device:
