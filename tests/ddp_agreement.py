@@ -3,7 +3,6 @@ or alone). Only rank 1 has the small device: both ranks must find the same batch
 Microbatcher must shrink on both."""
 
 import copy
-import json
 import sys
 
 import torch
@@ -13,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import batchfit as bf
 from batchfit.runtime.microbatch import Microbatcher
+from rank_results import gather_and_write
 
 
 def model_and_batch(samples: int):
@@ -77,13 +77,7 @@ def main() -> None:
         "ooms": record.ooms,
         "difference": difference,
     }
-    results = [None, None]
-    dist.all_gather_object(results, result)
-    if rank == 0:
-        with open(sys.argv[1], "w") as handle:
-            json.dump(results, handle)
-    dist.barrier()  # both ranks done before either tears down: gloo aborts on a one-sided teardown
-    dist.destroy_process_group()
+    gather_and_write(result, sys.argv[1])
 
 
 if __name__ == "__main__":

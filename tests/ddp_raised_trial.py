@@ -3,7 +3,6 @@ or alone). A trial that raises on one rank (not out of memory) is said in that t
 the other rank stops at once with an error naming it, and no collective is left half-joined. The
 same for a Microbatcher training step that raises on one rank."""
 
-import json
 import sys
 
 import torch
@@ -14,6 +13,7 @@ import batchfit as bf
 from batchfit.runtime.microbatch import Microbatcher
 from batchfit.search import distributed
 from batchfit.search.trial import Trial
+from rank_results import gather_and_write
 
 
 def _probe_raising_on(raisers: set[int], rank: int):
@@ -85,13 +85,7 @@ def main() -> None:
     result["find_one"] = _search_outcome(1, rank)
     result["step_zero"] = _step_outcome({0}, rank)
     result["step_none"] = _step_outcome(set(), rank)  # still in step after the failed training step
-    results = [None, None]
-    dist.all_gather_object(results, result)
-    if rank == 0:
-        with open(sys.argv[1], "w") as handle:
-            json.dump(results, handle)
-    dist.barrier()  # both ranks done before either tears down: gloo aborts on a one-sided teardown
-    dist.destroy_process_group()
+    gather_and_write(result, sys.argv[1])
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ Usage: ``torchrun --nproc_per_node=2 fsdp_find.py OUT_FILE``.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -23,6 +22,7 @@ from batchfit.parallel.models import TinyTransformer
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import default_optimizer
 from batchfit.parallel.wrap import shard_model
+from rank_results import gather_and_write
 
 SEQ_LEN = 32
 VOCAB_SIZE = 256
@@ -84,13 +84,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     result = search(rank)
-    results = [None] * dist.get_world_size()
-    dist.all_gather_object(results, result)
-    if rank == 0:
-        with open(sys.argv[1], "w") as handle:
-            json.dump(results, handle)
-    dist.barrier()  # both ranks done before either tears down: gloo aborts on a one-sided teardown
-    dist.destroy_process_group()
+    gather_and_write(result, sys.argv[1])
 
 
 if __name__ == "__main__":
