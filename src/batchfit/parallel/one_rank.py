@@ -11,8 +11,9 @@ A ``RankWorkload`` declares its own search backend, so ``search_workload`` runs 
 over it (strategies, ``max_trials``/``max_seconds``, progress) and each trial is the usual
 ``Prober`` trial of the sharded model: state restored after every trial, only real
 out-of-memory errors counted. What it does not see: collectives do not run (NCCL's own buffers
-are not counted), and gathered parameters and reduced gradients hold whatever memory held
-(values, not sizes, are wrong; the memory is the same).
+are not counted), and torch's fake process group fills an all-gather with this rank's shard in
+every slice and a reduce-scatter with a chunk of its input: values are finite but not the real
+run's (a model that routes by values may allocate differently); sizes are the same.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ from batchfit.parallel.models import model_builder
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import OptimizerFactory
 from batchfit.parallel.trace import default_optimizer
+from batchfit.parallel.trace import vocab_size_of
 from batchfit.parallel.world import fake_world
 from batchfit.parallel.wrap import shard_model
 from batchfit.search.prober import Prober
 from batchfit.search.result import SearchResult
+from batchfit.search.runner import probe_workload
 from batchfit.search.runner import search_workload
 from batchfit.search.settings import SearchSettings
 from batchfit.search.trial import Trial
@@ -143,15 +146,6 @@ def local_shards(work: RankWorkload, mesh: Any, device: torch.device) -> nn.Modu
     return model
 
 
-def _vocab_size(model: nn.Module) -> int:
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if embeddings is None:
-        embeddings = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    if embeddings is None:
-        raise InputError(f"{type(model).__name__} has no token embedding: one-rank trials feed token ids")
-    return embeddings.num_embeddings
-
-
 def _plain_loss(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.flatten(0, 1).float(), batch.flatten())
 
@@ -160,9 +154,9 @@ def rank_step_workload(model: nn.Module, optimizer: torch.optim.Optimizer, seq_l
     """The training step of a language model as a ``Workload``: a transformers model gets
     ``{"input_ids", "labels"}`` and uses its own loss; a plain one gets the ids and cross-entropy
     of its logits (what ``trace_rank`` runs). The output stays alive through backward."""
-    ids = torch.randint(0, _vocab_size(model), (1, seq_len))
+    ids = torch.randint(0, vocab_size_of(model), (1, seq_len))
     if hasattr(model, "config") and hasattr(model, "loss_function"):
-        return Workload(model, {"input_ids": ids, "labels": ids}, optimizer=optimizer)
+        return Workload(model, {"input_ids": ids, "labels": ids.clone()}, optimizer=optimizer)
     return Workload(model, ids, loss_fn=_plain_loss, optimizer=optimizer)
 
 
@@ -293,8 +287,6 @@ def probe_rank_batch_size(
     >>> trial.fits, trial.steps
     (True, 2)
     """
-    from batchfit.search.runner import probe_workload
-
     work = RankWorkload(model, seq_len, parallelism, dtype, optimizer)
     return probe_workload(work, batch_size, device=device, steps=steps, margin=margin)
 

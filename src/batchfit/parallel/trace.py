@@ -192,7 +192,8 @@ def _check_sizes(batch_size: object, seq_len: object, steps: object) -> None:
             raise InputError(f"{name} must be at least {least}{why}, got {value}")
 
 
-def _vocab_size(model: nn.Module) -> int:
+def vocab_size_of(model: nn.Module) -> int:
+    """The size of ``model``'s token embedding (a language model is fed ids below it)."""
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embeddings is None:
         embeddings = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
@@ -408,7 +409,7 @@ class RankSession:
             with self._mode:
                 self.model = shard_model(self._build(), mesh, self.parallelism)
                 self.optimizer = self._make_optimizer(self.model.parameters())
-            self._vocab_size = _vocab_size(self.model)
+            self._vocab_size = vocab_size_of(self.model)
             self.counter = RankBytes()
             self._stack = stack.pop_all()
         return self
