@@ -92,8 +92,6 @@ def test_bad_inputs_are_one_line() -> None:
     tiny = CASES["tiny"].spec()
     with pytest.raises(InputError, match="DDP's reducer needs real collectives"):
         RankWorkload(tiny, 16, Parallelism(world_size=2, sharding="ddp"))
-    with pytest.raises(InputError, match="real or simulated device"):
-        find_rank_batch_size(tiny, 16, parallelism=Parallelism(world_size=2), device=TraceDevice("64MiB"))
     with pytest.raises(InputError, match="rank must be an integer from 0 to world_size - 1 = 3"):
         Parallelism(world_size=4, rank=4)
     with fake_world(Parallelism(world_size=2)), pytest.raises(InputError, match="already initialised"):
@@ -275,3 +273,25 @@ def test_the_cli_runs_a_workload_of_ones_own_as_one_rank_and_plans_with_it(tmp_p
     assert estimated.exit_code == 2 and "batchfit find mlp --gpus 4 --device sim:8GiB" in estimated.output
     small = runner.invoke(app, ["find", "mlp", "--gpus", "2", "--device", "sim:4KiB"], env={"COLUMNS": "200"})
     assert small.exit_code == 2 and "one rank's share of 2" in small.output and "more ranks" in small.output
+
+
+def test_a_users_own_model_traced_on_a_gpu_preset_agrees_with_its_real_trials() -> None:
+    """With a TraceDevice the same search runs on fake tensors (nothing allocated): its answer and
+    the peak of every size both searches tried are the real one rank's, to the byte."""
+    model = CASES["tiny"].spec()()
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+    ids = torch.randint(0, 256, (2, 16))
+    options = {"loss_fn": _token_loss_float, "optimizer": optimizer, "parallelism": Parallelism(world_size=4)}
+    traced = bf.find_max_batch_size(model, ids, device=TraceDevice("2MiB"), **options)
+    real = bf.find_max_batch_size(model, ids, device=SimulatedDevice("2MiB"), **options)
+    assert traced.batch_size == real.batch_size == 5
+    assert traced.extra["mode"].startswith("one rank of 4, traced on fake tensors")
+    real_peaks = {t.batch_size: t.peak_bytes for t in real.trials if t.fits}
+    traced_peaks = {t.batch_size: t.peak_bytes for t in traced.trials}
+    assert real_peaks and all(traced_peaks[size] == peak for size, peak in real_peaks.items() if size in traced_peaks)
+    assert {2, 5} <= real_peaks.keys() & traced_peaks.keys()
+    assert not dist.is_initialized()
+
+
+def _token_loss_float(logits, ids):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())

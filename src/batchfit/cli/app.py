@@ -45,6 +45,7 @@ from batchfit.cli.report import write_json
 from batchfit.cli.workloads import describe_builtins
 from batchfit.cli.workloads import load_workload
 from batchfit.devices.resolve import resolve_device
+from batchfit.devices.trace import TraceDevice
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
 from batchfit.errors import InputError
@@ -149,7 +150,7 @@ def find(
     if hasattr(work, "parallelism"):
         from batchfit.parallel.one_rank import with_mode
 
-        result = with_mode(result, work)
+        result = with_mode(result, work, dev)
     if quiet:
         console.print(result.batch_size)
     else:
@@ -606,7 +607,7 @@ def _measure_micro_batch(work: Any, dev: Any, settings: SearchSettings, *, accum
         work = one_rank.accumulating(work)
     with console.status(f"Measuring the largest micro-batch{held}", spinner="dots"):
         measured = search_workload(work, settings, device=dev)
-    per_rank = f" ({work.mode()})" if hasattr(work, "parallelism") else ""  # one rank's real trials
+    per_rank = f" ({work.mode(isinstance(dev, TraceDevice))})" if hasattr(work, "parallelism") else ""  # one rank
     console.print(
         f"Measured on {measured.device}{per_rank}{held}: the largest micro-batch is {measured.batch_size}.",
         highlight=False,

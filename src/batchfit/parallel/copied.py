@@ -11,6 +11,7 @@ is the user's, unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -27,10 +28,15 @@ from batchfit.parallel.one_rank import ONE_RANK
 from batchfit.parallel.one_rank import RankBackend
 from batchfit.parallel.one_rank import one_rank_mode
 from batchfit.parallel.settings import Parallelism
+from batchfit.parallel.trace import RankSession
 from batchfit.parallel.wrap import shard_model
 from batchfit.step.batching import bytes_per_sample
+from batchfit.step.batching import resize_batch
 from batchfit.step.compiled import uncompiled
 from batchfit.step.workload import Workload
+from batchfit.step.workload import autocast
+from batchfit.step.workload import call_by_convention
+from batchfit.step.workload import loss_of
 
 WRAPPER_PREFIX = "_checkpoint_wrapped_module."  # what torch's checkpoint_wrapper adds to the names inside it
 
@@ -137,8 +143,8 @@ class ShardedCopy:
         """The user's model (copied, never changed)."""
         return self.workload.model
 
-    def mode(self) -> str:
-        return one_rank_mode(self.parallelism)
+    def mode(self, traced: bool = False) -> str:
+        return one_rank_mode(self.parallelism, traced)
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.workload.model.parameters())
@@ -156,5 +162,55 @@ class ShardedCopy:
         optimizer = rebuilt_optimizer(self.workload.optimizer, original, sharded)
         return dataclasses.replace(self.workload, model=sharded, optimizer=optimizer)
 
+    def session(self, steps: int = 2) -> WorkloadSession:
+        """A ``RankSession`` tracing this rank on fake tensors at several micro-batch sizes."""
+        return WorkloadSession(self.workload, parallelism=self.parallelism, steps=steps)
+
     def backend(self) -> RankBackend:
         return ONE_RANK
+
+
+class WorkloadSession(RankSession):
+    """A ``RankSession`` over a user's own ``Workload``: its model copied onto ``meta`` and sharded,
+    fake shards (real ones with ``fake=False``, holding the rank's rows of the model's values), the
+    optimizer built again, batches built from its sample, and its loss by its calling convention
+    (``loss_fn``, ``step_fn``, AMP, ``keep_output``).
+
+    >>> work = Workload(torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 8)), torch.randn(4, 8),
+    ...                 loss_fn=lambda out, batch: out.pow(2).mean(), optimizer=lambda p: torch.optim.AdamW(p))
+    >>> with WorkloadSession(work, parallelism=Parallelism(world_size=2)) as session:
+    ...     estimate = session.trace(16)
+    >>> estimate.batch_size, estimate.world_size, estimate.peak_bytes > 0
+    (16, 2, True)
+    """
+
+    def __init__(
+        self, workload: Workload, *, parallelism: Parallelism | None = None, steps: int = 2, fake: bool = True
+    ):
+        if workload.optimizer is None:
+            raise InputError("a sharded trace runs the optimizer step: give the Workload an optimizer")
+        super().__init__(lambda: workload.model, 1, parallelism=parallelism, steps=steps, fake=fake)
+        self.workload, self.seq_len = workload, 0
+
+    def _sharded(self, mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+        original = self.workload.model
+        model = shard_model(meta_copy(original), mesh, self.parallelism)
+        model.to_empty(device="cpu")
+        if not self.fake:
+            fill_from(model, original)
+        return model, rebuilt_optimizer(self.workload.optimizer, original, model)
+
+    def _batch(self, batch_size: int) -> Any:
+        return resize_batch(self.workload.sample_batch, batch_size)
+
+    def _checks(self, batch_size: int) -> Any:
+        return contextlib.nullcontext()
+
+    def _forward(self, model: nn.Module, batch: Any) -> tuple[Any, Any]:
+        work = self.workload
+        with autocast("cpu", work.amp_dtype):
+            if work.step_fn is not None:
+                return None, work.step_fn(model, batch)
+            output, targets = call_by_convention(model, batch)
+            loss = loss_of(output, targets, batch, loss_fn=work.loss_fn)
+        return (output if work.keep_output else None), loss

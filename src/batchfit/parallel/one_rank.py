@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from batchfit.parallel.models import ModelSpec
 from batchfit.parallel.models import model_builder
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import OptimizerFactory
+from batchfit.parallel.trace import RankSession
 from batchfit.parallel.trace import default_optimizer
 from batchfit.parallel.trace import vocab_size_of
 from batchfit.parallel.world import fake_world
@@ -57,9 +59,15 @@ DDP_REFUSAL = (
 )
 
 
-def one_rank_mode(parallelism: Parallelism) -> str:
-    """What one-rank trials are, in one phrase (for the result, the JSON and the CLI)."""
-    return f"one rank of {parallelism.world_size}, real trials; collectives not run, NCCL buffers not counted"
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def one_rank_mode(parallelism: Parallelism, traced: bool = False) -> str:
+    """What one rank's trials are, in one phrase (for the result, the JSON and the CLI): real, or
+    ``traced`` on fake tensors (on a ``TraceDevice``)."""
+    trials = "traced on fake tensors" if traced else "real trials"
+    return f"one rank of {parallelism.world_size}, {trials}; collectives not run, NCCL buffers not counted"
 
 
 @dataclass(frozen=True)
@@ -93,9 +101,9 @@ class RankWorkload:
         spec = self.model
         return spec if isinstance(spec, str) else getattr(spec, "__name__", type(spec).__name__)
 
-    def mode(self) -> str:
+    def mode(self, traced: bool = False) -> str:
         """What the trials are, in one phrase (for the result, the JSON and the CLI)."""
-        return one_rank_mode(self.parallelism)
+        return one_rank_mode(self.parallelism, traced)
 
     def parameter_count(self) -> int:
         """The whole model's parameters (all ranks'), counted on a ``meta`` build: nothing allocated."""
@@ -111,6 +119,17 @@ class RankWorkload:
         model = local_shards(self, mesh, device)
         optimizer = (self.optimizer or default_optimizer)(model.parameters())
         return rank_step_workload(model, optimizer, self.seq_len)
+
+    def session(self, steps: int = 2) -> RankSession:
+        """A ``RankSession`` tracing this rank on fake tensors at several micro-batch sizes."""
+        return RankSession(
+            self.model,
+            self.seq_len,
+            parallelism=self.parallelism,
+            dtype=self.dtype,
+            optimizer=self.optimizer,
+            steps=steps,
+        )
 
     def backend(self) -> RankBackend:
         return ONE_RANK
@@ -171,6 +190,8 @@ class RankProber:
         self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> RankProber:
+        if isinstance(self.device, TraceDevice):
+            return self._enter_trace()
         with contextlib.ExitStack() as stack:
             torch_device = self.device.torch_device
             mesh = stack.enter_context(fake_world(self.work.parallelism, torch_device.type))
@@ -186,33 +207,59 @@ class RankProber:
             self._stack = stack.pop_all()
         return self
 
+    def _enter_trace(self) -> RankProber:
+        """On a ``TraceDevice``: the rank's ``RankSession`` on fake tensors; each trial a trace."""
+        with contextlib.ExitStack() as stack:
+            self._session = stack.enter_context(self.work.session(self.steps))
+            self._prober = None
+            self.baseline_bytes = sum(
+                _local(t).numel() * _local(t).element_size() for t in self._session.model.parameters()
+            )
+            self._stack = stack.pop_all()
+        return self
+
     def __exit__(self, *exc_info: object) -> None:
-        stack, self._stack, self._prober = self._stack, None, None
+        stack, self._stack, self._prober, self._session = self._stack, None, None, None
         if stack is not None:
             stack.close()
         self.device.collect()  # FSDP2's modules and hooks hold cycles: the rank's memory is free only after a collection
 
     def probe(self, batch_size: int) -> Trial:
+        if self._prober is None:
+            return self._traced_trial(batch_size)
         return self._prober.probe(batch_size)
+
+    def _traced_trial(self, batch_size: int) -> Trial:
+        """A fake trial: the session's trace at ``batch_size``, fitting when its peak is within the limit."""
+        start = time.perf_counter()
+        estimate = self._session.trace(batch_size)
+        fits = self.limit_bytes is None or estimate.peak_bytes <= self.limit_bytes
+        return Trial(
+            batch_size,
+            fits,
+            estimate.peak_bytes,
+            time.perf_counter() - start,
+            phase_peak_bytes=dict(estimate.phase_peaks_bytes),
+            steps=len(estimate.step_peaks_bytes),
+        )
 
 
 class RankBackend:
-    """The search backend of a ``RankWorkload`` or a ``ShardedCopy``: torch devices, ``RankProber`` trials, no trace
-    first (the fake-tensor estimate of a rank is ``trace_rank``/``largest_batch_size``)."""
+    """The search backend of a ``RankWorkload`` or a ``ShardedCopy``: ``RankProber`` trials, real
+    ones on a torch device and traced ones on a ``TraceDevice`` (such as ``TraceDevice("h100-80gb")``:
+    the rank on fake tensors, nothing allocated); no trace before real trials."""
 
     name = "torch"
 
     def resolve_device(self, workload: RankWorkload, spec: Any) -> Device:
-        device = resolve_device("auto" if spec is None else spec, None)
-        if isinstance(device, TraceDevice):
-            raise InputError(
-                "one-rank trials run real tensors: give a real or simulated device (cuda, cpu, sim:8GiB); "
-                "for the fake-tensor estimate use batchfit.parallel.largest_batch_size or batchfit estimate"
-            )
-        return device
+        return resolve_device("auto" if spec is None else spec, None)
 
     def bytes_per_sample(self, workload: RankWorkload) -> int:
         return workload.bytes_per_sample()
+
+    def prepare(self, device: Device, workload: RankWorkload) -> RankWorkload:
+        """Nothing before the prober: it builds the rank's model itself (real or fake)."""
+        return workload
 
     def prober(self, workload: RankWorkload, device: Device, *, steps: int, limit_bytes: int | None) -> RankProber:
         return RankProber(workload, device, steps=steps, limit_bytes=limit_bytes)
@@ -221,7 +268,7 @@ class RankBackend:
         return "auto"
 
     def is_trace(self, device: Device) -> bool:
-        return False
+        return isinstance(device, TraceDevice)
 
     def can_trace(self, workload: RankWorkload) -> bool:
         return False
@@ -258,13 +305,14 @@ def find_rank_batch_size(
     """
     work = RankWorkload(model, seq_len, parallelism, dtype, optimizer)
     result = search_workload(work, settings, device=device, **options)
-    return with_mode(result, work)
+    return with_mode(result, work, ONE_RANK.resolve_device(work, device))
 
 
-def with_mode(result: SearchResult, work: RankWorkload) -> SearchResult:
-    """``result`` with ``extra["mode"]`` (what the trials were) and ``extra["parallelism"]`` (the settings)."""
-    extra = {**result.extra, "mode": work.mode(), "parallelism": work.parallelism.to_dict()}
-    return dataclasses.replace(result, extra=extra)
+def with_mode(result: SearchResult, work: RankWorkload, device: Device) -> SearchResult:
+    """``result`` with ``extra["mode"]`` (what the trials on ``device`` were) and
+    ``extra["parallelism"]`` (the settings)."""
+    mode = work.mode(isinstance(device, TraceDevice))
+    return dataclasses.replace(result, extra={**result.extra, "mode": mode, "parallelism": work.parallelism.to_dict()})
 
 
 def probe_rank_batch_size(

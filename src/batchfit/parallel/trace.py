@@ -44,6 +44,7 @@ from batchfit.parallel.models import model_builder
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.world import fake_world
 from batchfit.parallel.wrap import shard_model
+from batchfit.step.batching import tensor_leaves
 
 BREAKDOWN_KEYS = (
     "sharded_parameters",
@@ -57,6 +58,7 @@ BREAKDOWN_KEYS = (
     "temporaries",
 )
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+Forward = Callable[[nn.Module, Any], tuple[Any, Any]]  # (model, batch) -> (output, loss)
 
 
 class StepPeak(NamedTuple):
@@ -113,7 +115,8 @@ class ShardedEstimate:
         """
         name, nbytes = max(self.breakdown.items(), key=lambda item: item[1])
         return (
-            f"Per rank at micro-batch {self.batch_size} x {self.seq_len} tokens over {self.world_size} ranks: "
+            f"Per rank at micro-batch {self.batch_size}{f' x {self.seq_len} tokens' if self.seq_len else ''} "
+            f"over {self.world_size} ranks: "
             f"{format_bytes(self.peak_bytes)} (in {self.peak_phase}), the largest part "
             f"{name.replace('_', ' ')} ({format_bytes(nbytes)})."
         )
@@ -152,6 +155,17 @@ def language_model_loss(
         return output, output.loss
     logits = model(input_ids)
     return logits, F.cross_entropy(logits.flatten(0, 1).float(), input_ids.flatten())
+
+
+def language_model_batch(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(input_ids, labels)``: a transformers model's labels a tensor of their own, as a data
+    collator makes them; ``None`` for a plain model (its loss reads the ids)."""
+    return input_ids, input_ids.clone() if is_transformers_model(model) else None
+
+
+def language_model_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[Any, Any]:
+    """``(output, loss)`` of a language model on a ``language_model_batch``."""
+    return language_model_loss(model, *batch)
 
 
 @contextlib.contextmanager
@@ -241,10 +255,16 @@ def _reported(record: _StepRecord, counter: RankBytes, kept: dict[str, int]) -> 
 class _Steps:
     """The training loop one rank runs, counted by ``counter``, with the roles named as they become known."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, input_ids: torch.Tensor, counter: RankBytes):
-        self.model, self.optimizer, self.input_ids, self.counter = model, optimizer, input_ids, counter
-        # a transformers batch carries its labels as a tensor of their own, as a data collator makes them
-        self.labels = input_ids.clone() if is_transformers_model(model) else None
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batch: Any,
+        counter: RankBytes,
+        forward: Forward | None = None,
+    ):
+        self.model, self.optimizer, self.batch, self.counter = model, optimizer, batch, counter
+        self.forward = forward or language_model_step
         self.output: Any = None  # the loop's variables: alive into the next step, as in a hand-written loop
         self.loss: Any = None
 
@@ -253,9 +273,7 @@ class _Steps:
         counter.track_all(self.model.parameters(), "sharded_parameters")
         counter.track_all(self.model.buffers(), "buffers")
         counter.track_all(_optimizer_tensors(self.optimizer), "optimizer_state")
-        counter.track(self.input_ids, "batch")
-        if self.labels is not None:
-            counter.track(self.labels, "batch")
+        counter.track_all(tensor_leaves(self.batch), "batch")
 
     def step(self) -> _StepRecord:
         """One step; its peaks (before and after the previous output is released), the phase of
@@ -263,7 +281,7 @@ class _Steps:
         counter, phase_peaks = self.counter, {}
         counter.restart_peak()
         counter.start_phase("forward")
-        output, loss = language_model_loss(self.model, self.input_ids, self.labels)
+        output, loss = self.forward(self.model, self.batch)
         counter.split_peak()  # the previous step's output and loss are released on the next line
         self.output, self.loss = output, loss
         del output, loss
@@ -405,14 +423,28 @@ class RankSession:
 
         with contextlib.ExitStack() as stack:
             mesh = stack.enter_context(fake_world(self.parallelism))
-            self._mode = FakeTensorMode() if self.fake else contextlib.nullcontext()
+            self._mode = FakeTensorMode(allow_non_fake_inputs=True) if self.fake else contextlib.nullcontext()
             with self._mode:
-                self.model = shard_model(self._build(), mesh, self.parallelism)
-                self.optimizer = self._make_optimizer(self.model.parameters())
-            self._vocab_size = vocab_size_of(self.model)
+                self.model, self.optimizer = self._sharded(mesh)
             self.counter = RankBytes()
             self._stack = stack.pop_all()
         return self
+
+    def _sharded(self, mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The rank's model (built from its spec, sharded over ``mesh``) and its optimizer."""
+        model = shard_model(self._build(), mesh, self.parallelism)
+        self._vocab_size = vocab_size_of(model)
+        return model, self._make_optimizer(model.parameters())
+
+    def _batch(self, batch_size: int) -> Any:
+        """A batch of ``batch_size`` rows and what checks it (made inside the session's mode)."""
+        input_ids = torch.randint(0, self._vocab_size, (batch_size, self.seq_len))
+        return language_model_batch(self.model, input_ids)
+
+    def _checks(self, batch_size: int) -> Any:
+        return plain_batch_checks(batch_size, self.seq_len)
+
+    _forward: Forward | None = None
 
     def __exit__(self, *exc_info: object) -> None:
         self.model = self.optimizer = self.counter = None
@@ -422,7 +454,7 @@ class RankSession:
 
     def trace(self, batch_size: int) -> ShardedEstimate:
         """One rank's peak at micro-batch ``batch_size`` (see the class)."""
-        _check_sizes(batch_size, self.seq_len, self.steps)
+        _check_sizes(batch_size, self.seq_len or 1, self.steps)  # 0: a workload's own rows, no tokens
         if self._stack is None:
             raise InputError("a RankSession traces inside its with block: with RankSession(...) as session: ...")
         if self._failed:
@@ -437,17 +469,15 @@ class RankSession:
 
     def _traced(self, batch_size: int) -> list[StepPeak]:
         with self._mode:
-            input_ids = torch.randint(0, self._vocab_size, (batch_size, self.seq_len))
-            loop = _Steps(self.model, self.optimizer, input_ids, self.counter)
-            del input_ids
-            with plain_batch_checks(batch_size, self.seq_len), self.counter.measuring():
+            loop = _Steps(self.model, self.optimizer, self._batch(batch_size), self.counter, self._forward)
+            with self._checks(batch_size), self.counter.measuring():
                 loop.register()
                 peaks = self._steady(loop) if self._warm else None
                 if peaks is None:
                     peaks = [_reported(loop.step(), self.counter, {}) for _ in range(self.steps)]
                     self.steps_run += self.steps
                     loop.release_output()
-            loop.input_ids = loop.labels = None
+            loop.batch = None
         self._warm = True
         return peaks
 
@@ -470,7 +500,7 @@ def count_steps(
     a ``torchrun`` job) for ``steps`` steps on ``input_ids`` and return every step's peak bytes of
     this rank, their breakdown and the phase of the peak, counted by ``RankBytes`` from the state
     the model and optimizer hold now."""
-    loop = _Steps(model, optimizer, input_ids, RankBytes())
+    loop = _Steps(model, optimizer, language_model_batch(model, input_ids), RankBytes())
     batch_size, seq_len = input_ids.shape
     with plain_batch_checks(batch_size, seq_len), loop.counter.measuring():
         loop.register()

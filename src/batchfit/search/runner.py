@@ -81,6 +81,13 @@ def upper_bound(
     return max(min_batch_size, (limit_bytes - baseline_bytes) // backend.bytes_per_sample(workload))
 
 
+def prepared_for(backend: SearchBackend, device: Device, workload: Any) -> Any:
+    """What the trials of ``workload`` run on ``device``: the backend's own preparation where it
+    declares one (one rank of a sharded world builds its model inside its prober), else the device's."""
+    prepare = getattr(backend, "prepare", None)
+    return prepare(device, workload) if callable(prepare) else device.prepare(workload)
+
+
 def device_for(workload: Any, device: DeviceSpec) -> Device:
     """The Device to probe ``workload`` on, as the workload's backend resolves ``device``."""
     return backend_for(workload).resolve_device(workload, device)
@@ -299,7 +306,7 @@ def _run_trials(
     ...}`` when a limit stopped it; ``{"compile": ...}`` for a compiled model; with ``deferred``, the
     choice of evidence made after the first trial, and the trace if it was chosen)."""
     s = plan.settings
-    prepared = plan.device.prepare(workload)
+    prepared = prepared_for(plan.backend, plan.device, workload)
     trials: list[Trial] = []
     reported: dict[str, Any] = {}
     with plan.backend.prober(prepared, plan.device, steps=s.steps, limit_bytes=plan.limit_bytes) as prober:
@@ -550,7 +557,8 @@ def _one_rank_search(
     sharded: Any, settings: SearchSettings, device: DeviceSpec, on_trial: Callable[[Trial], None] | None
 ) -> SearchResult:
     result = search_workload(sharded, settings, device=device, on_trial=on_trial)
-    extra = {**result.extra, "mode": sharded.mode(), "parallelism": sharded.parallelism.to_dict()}
+    traced = isinstance(device_for(sharded, device), TraceDevice)
+    extra = {**result.extra, "mode": sharded.mode(traced), "parallelism": sharded.parallelism.to_dict()}
     return dataclasses.replace(result, extra=extra)
 
 
@@ -607,7 +615,7 @@ def probe_workload(
     backend = backend_for(workload)
     dev = backend.resolve_device(workload, device)
     capacity, limit = usable_bytes(dev, s.margin)
-    with backend.prober(dev.prepare(workload), dev, steps=s.steps, limit_bytes=limit) as prober:
+    with backend.prober(prepared_for(backend, dev, workload), dev, steps=s.steps, limit_bytes=limit) as prober:
         trial = prober.probe(batch_size)
     logger.info(trial.describe(capacity))
     return trial
