@@ -174,3 +174,33 @@ def describe(found: LargestBatch) -> str:
         f"Up to micro-batch {found.batch_size} x {at.seq_len} tokens per rank fits in "
         f"{format_bytes(found.capacity_bytes)} over {at.world_size} ranks ({format_bytes(at.peak_bytes)} at {found.batch_size})."
     )
+
+
+class PhaseLines:
+    """``largest_batch_size``'s search as a search strategy, for one rank traced on fake tensors
+    (a ``TraceDevice``): the sizes 1 and 2, then where the phases' lines reach the usable memory,
+    confirmed by the size above (see ``_next_size``). A fake trial's peak is known also past the
+    memory, which lets the lines aim from both sides.
+
+    >>> from batchfit.search.strategies import SearchSpace
+    >>> from batchfit.search.trial import Trial
+    >>> space, lines = SearchSpace(1, 100, limit_bytes=1000), PhaseLines()
+    >>> lines.next([], space), lines.next([Trial(1, True, 300, 0.1)], space)
+    (1, 2)
+    >>> lines.next([Trial(1, True, 300, 0.1), Trial(2, True, 400, 0.1)], space)
+    8
+    """
+
+    name = "phase-lines"
+
+    def next(self, trials: Any, space: Any) -> int | None:
+        if not trials:
+            return space.min_batch_size
+        limit = space.limit_bytes
+        if limit is None or not trials[0].fits:
+            return None
+        if len(trials) == 1:
+            return trials[0].batch_size + 1 if trials[0].batch_size < space.max_batch_size else None
+        history = [(t.batch_size, t.peak_bytes if t.fits else max(t.peak_bytes or 0, limit + 1)) for t in trials]
+        points = {t.batch_size: dict(t.phase_peak_bytes) or {"step": t.peak_bytes} for t in trials if t.peak_bytes}
+        return _next_size(history, limit, space.max_batch_size, points)

@@ -35,6 +35,7 @@ from batchfit.devices.trace import TraceDevice
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
 from batchfit.errors import ModelDoesNotFitError
+from batchfit.parallel.fit import PhaseLines
 from batchfit.parallel.models import ModelSpec
 from batchfit.parallel.models import model_builder
 from batchfit.parallel.settings import Parallelism
@@ -241,6 +242,9 @@ class RankProber:
             time.perf_counter() - start,
             phase_peak_bytes=dict(estimate.phase_peaks_bytes),
             steps=len(estimate.step_peaks_bytes),
+            held_bytes=estimate.state_bytes.get("sharded_parameters", 0)
+            + estimate.state_bytes.get("optimizer_state", 0)
+            + estimate.breakdown.get("buffers", 0),
         )
 
 
@@ -264,8 +268,8 @@ class RankBackend:
     def prober(self, workload: RankWorkload, device: Device, *, steps: int, limit_bytes: int | None) -> RankProber:
         return RankProber(workload, device, steps=steps, limit_bytes=limit_bytes)
 
-    def auto_strategy(self, device: Device) -> str:
-        return "auto"
+    def auto_strategy(self, device: Device) -> Any:
+        return PhaseLines() if isinstance(device, TraceDevice) else "auto"  # a trace knows every phase's peak
 
     def is_trace(self, device: Device) -> bool:
         return isinstance(device, TraceDevice)
