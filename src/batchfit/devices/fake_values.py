@@ -349,6 +349,7 @@ def _plain_fake(tensor: Any, mode: TraceFakeMode) -> bool:
         and tensor.fake_mode is mode
         and tensor.constant is None
         and tensor.dtype.is_floating_point
+        and not tensor.is_neg()
         and id(tensor) not in mode.shadows._values
         and _whole(tensor)
     )

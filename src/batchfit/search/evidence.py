@@ -20,10 +20,12 @@ from batchfit.search.trial import Trial
 
 TRACE_FAKE_TRIALS = 2  # two fake trials draw every storage's line (a third only where one is not a line)
 EXPENSIVE_STEP_SECONDS = 0.05  # a device that says a step costs this much: the trace goes first
-# What fake tensors cost, measured on a 2-core CPU with torch 2.13 (benchmarks/TRACE.md): about 0.1 ms
-# per op once warm, and about 0.7 s the first time a process uses them (the fake mode's start-up).
+# What fake tensors cost, measured on a 2-core CPU with torch 2.13 (benchmarks/TRACE.md, "Seconds per
+# op"): 0.12 to 0.15 ms per op of a real trial's timeline once warm (five models, 6 to 131 parameter
+# tensors), and about 0.7 s the first time a process uses them (the fake mode's start-up). The
+# constant is the low end of that range: a close call goes to the trace, which replaces a trial.
 # Constants, not a calibration run: measuring them would cost the start-up the choice may avoid.
-FAKE_OP_SECONDS = 1e-4
+FAKE_OP_SECONDS = 1.2e-4
 FAKE_START_SECONDS = 0.7
 
 
