@@ -136,7 +136,10 @@ def test_plan_verify_confirms_the_traced_answer_with_real_trials_at_it_and_above
     assert result.exit_code == 0, result.output
     assert "Verified on sim:4.0MiB" in result.output
     verification = json.loads((tmp_path / "plan.json").read_text())["sharding"]["verification"]
-    at, above = verification["rows"]
+    at, above, *later = verification["rows"]
+    if later:  # the plan accumulates: its micro-batch and the held largest fit as later micro-batches, one more not
+        assert [row["fits"] for row in later] == [True] * (len(later) - 1) + [False]
+        assert all(row["accumulating"] for row in later)
     assert above["batch_size"] == at["batch_size"] + 1
     assert at["fits"] and not above["fits"]
     assert at["difference_bytes"] == 0

@@ -585,6 +585,8 @@ def _plan_sharded(
     if result.gradient_accumulation_steps > 1:  # a later micro-batch runs with the window's sharded gradients
         held = sharded.with_gradients_held(workload, gpu, seq_len, chosen, largest)
         result = planning(micro_batch_size=held, seq_len=seq_len, devices=choices[0].world_size)
+        if verifier is not None:  # the plan's micro-batch, and one above the largest, as later micro-batches
+            verified += one_rank.verify_accumulating(workload, seq_len, chosen, result.micro_batch_size, held, verifier)
     result = dataclasses.replace(result, advice=result.advice + sharded.checkpointing_advice(found, chosen, result))
     console.print(f"Planned with activation checkpointing {chosen.activation_checkpointing}.", highlight=False)
     _print_plan(result)

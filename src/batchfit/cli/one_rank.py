@@ -128,6 +128,39 @@ def verify_plan(workload: str, seq_len: int, found: list[tuple[Any, Any]], devic
     return rows
 
 
+def verify_accumulating(
+    workload: str, seq_len: int, parallelism: Any, planned: int, largest: int, device: Any
+) -> list[dict[str, Any]]:
+    """The plan's micro-batch, the largest with the window's gradients held and the size above,
+    each as one rank's real trial of a later micro-batch of the window (no fake figure beside
+    them: the trace takes the held gradients' bytes off the capacity); printed; the rows."""
+    from batchfit.cli.common import console
+    from batchfit.parallel.one_rank import probe_rank_batch_size
+
+    rows = []
+    for batch_size in dict.fromkeys((planned, largest, largest + 1)):
+        with console.status(f"Real trial of one rank at micro-batch {batch_size}, the window's gradients held"):
+            trial = probe_rank_batch_size(
+                workload, seq_len, batch_size, parallelism=parallelism, device=device, accumulating=True
+            )
+        rows.append(
+            {
+                "activation_checkpointing": parallelism.activation_checkpointing,
+                "batch_size": batch_size,
+                "accumulating": True,
+                "real_peak_bytes": trial.peak_bytes,
+                "fits": trial.fits,
+                "error": trial.error,
+            }
+        )
+        verdict = f"fits (peak {format_bytes(trial.peak_bytes)})" if trial.fits else "does not fit"
+        console.print(
+            f"Verified on {device.name} as a later micro-batch (the window's gradients held): {batch_size} {verdict}.",
+            highlight=False,
+        )
+    return rows
+
+
 def _row_cells(row: dict[str, Any]) -> tuple[str, ...]:
     def size(nbytes: int | None) -> str:
         return format_bytes(nbytes) if nbytes is not None else "-"

@@ -88,6 +88,8 @@ class RankWorkload:
     parallelism: Parallelism
     dtype: torch.dtype = torch.float32
     optimizer: OptimizerFactory | None = None
+    accumulating: bool = False
+    """Run each step as a later micro-batch of an accumulation window: the gradients held throughout."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.parallelism, Parallelism):
@@ -119,7 +121,7 @@ class RankWorkload:
         """The rank's training step: its shards on ``device``, a fresh optimizer over them."""
         model = local_shards(self, mesh, device)
         optimizer = (self.optimizer or default_optimizer)(model.parameters())
-        return rank_step_workload(model, optimizer, self.seq_len)
+        return rank_step_workload(model, optimizer, self.seq_len, self.accumulating)
 
     def session(self, steps: int = 2) -> RankSession:
         """A ``RankSession`` tracing this rank on fake tensors at several micro-batch sizes."""
@@ -170,14 +172,19 @@ def _plain_loss(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.flatten(0, 1).float(), batch.flatten())
 
 
-def rank_step_workload(model: nn.Module, optimizer: torch.optim.Optimizer, seq_len: int) -> Workload:
+def rank_step_workload(
+    model: nn.Module, optimizer: torch.optim.Optimizer, seq_len: int, accumulating: bool = False
+) -> Workload:
     """The training step of a language model as a ``Workload``: a transformers model gets
     ``{"input_ids", "labels"}`` and uses its own loss; a plain one gets the ids and cross-entropy
-    of its logits (what ``trace_rank`` runs). The output stays alive through backward."""
+    of its logits (what ``trace_rank`` runs). The output stays alive through backward; with
+    ``accumulating``, the gradients are held throughout (a later micro-batch of a window)."""
     ids = torch.randint(0, vocab_size_of(model), (1, seq_len))
     if hasattr(model, "config") and hasattr(model, "loss_function"):
-        return Workload(model, {"input_ids": ids, "labels": ids.clone()}, optimizer=optimizer)
-    return Workload(model, ids, loss_fn=_plain_loss, optimizer=optimizer)
+        sample, loss_fn = {"input_ids": ids, "labels": ids.clone()}, None
+    else:
+        sample, loss_fn = ids, _plain_loss
+    return Workload(model, sample, loss_fn=loss_fn, optimizer=optimizer, accumulating=accumulating)
 
 
 class RankProber:
@@ -330,8 +337,10 @@ def probe_rank_batch_size(
     optimizer: OptimizerFactory | None = None,
     steps: int = 2,
     margin: int | float | str = 0,
+    accumulating: bool = False,
 ) -> Trial:
-    """One real trial of one rank at micro-batch ``batch_size`` (see ``find_rank_batch_size``).
+    """One real trial of one rank at micro-batch ``batch_size`` (see ``find_rank_batch_size``);
+    ``accumulating``: as a later micro-batch of an accumulation window (the gradients held).
 
     >>> from batchfit.parallel.models import TinyTransformer
     >>> trial = probe_rank_batch_size(TinyTransformer, 16, 2, parallelism=Parallelism(world_size=2),
@@ -339,7 +348,7 @@ def probe_rank_batch_size(
     >>> trial.fits, trial.steps
     (True, 2)
     """
-    work = RankWorkload(model, seq_len, parallelism, dtype, optimizer)
+    work = RankWorkload(model, seq_len, parallelism, dtype, optimizer, accumulating)
     return probe_workload(work, batch_size, device=device, steps=steps, margin=margin)
 
 
