@@ -34,7 +34,10 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize(("name", "world_size"), [("tiny", 2), ("llama_checkpointed", 4)])
+@pytest.mark.parametrize(
+    ("name", "world_size"),
+    [("tiny", 2), pytest.param("llama_checkpointed", 4, marks=pytest.mark.slow)],  # 2.5 s: make reliability
+)
 def test_one_ranks_real_trial_peaks_where_the_fake_trace_does(name: str, world_size: int) -> None:
     """The same rank, the same step: real tensors over the fake group (only its shards built) and
     the fake-tensor trace agree to the byte (a transformers batch's labels a tensor of their own in both)."""

@@ -50,7 +50,17 @@ def _fake_trials(build) -> tuple:
     return strategy.edge, strategy.method, trials
 
 
-@pytest.mark.parametrize("build", [mlp_tuple, cnn_bn, transformer, dict_model, _conv_sgd, _gelu_adamw])
+@pytest.mark.parametrize(
+    "build",
+    [  # the two largest (0.7-0.8 s each) run in make reliability
+        pytest.param(mlp_tuple, marks=pytest.mark.slow),
+        cnn_bn,
+        pytest.param(transformer, marks=pytest.mark.slow),
+        dict_model,
+        _conv_sgd,
+        _gelu_adamw,
+    ],
+)
 def test_the_shortcut_leaves_every_fake_trial_and_the_edge_as_the_fake_kernels_give_them(build, monkeypatch):
     torch.manual_seed(0)
     quick = _fake_trials(build)
