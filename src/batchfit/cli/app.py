@@ -147,10 +147,6 @@ def find(
     except KeyboardInterrupt:
         _interrupted(done, dev)
         raise typer.Exit(130) from None
-    if hasattr(work, "parallelism"):
-        from batchfit.parallel.one_rank import with_mode
-
-        result = with_mode(result, work, dev)
     if quiet:
         console.print(result.batch_size)
     else:

@@ -26,10 +26,12 @@ from batchfit.errors import InputTypeError
 from batchfit.parallel.one_rank import DDP_REFUSAL
 from batchfit.parallel.one_rank import ONE_RANK
 from batchfit.parallel.one_rank import RankBackend
+from batchfit.parallel.one_rank import annotated
 from batchfit.parallel.one_rank import one_rank_mode
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import RankSession
 from batchfit.parallel.wrap import shard_model
+from batchfit.search.result import SearchResult
 from batchfit.step.batching import bytes_per_sample
 from batchfit.step.batching import resize_batch
 from batchfit.step.compiled import uncompiled
@@ -161,6 +163,10 @@ class ShardedCopy:
         fill_from(sharded, original)
         optimizer = rebuilt_optimizer(self.workload.optimizer, original, sharded)
         return dataclasses.replace(self.workload, model=sharded, optimizer=optimizer)
+
+    def annotated(self, result: SearchResult, device: Any) -> SearchResult:
+        """The search's result naming what its trials were (see ``one_rank.annotated``)."""
+        return annotated(self, result, device)
 
     def session(self, steps: int = 2) -> WorkloadSession:
         """A ``RankSession`` tracing this rank on fake tensors at several micro-batch sizes."""

@@ -123,6 +123,10 @@ class RankWorkload:
         optimizer = (self.optimizer or default_optimizer)(model.parameters())
         return rank_step_workload(model, optimizer, self.seq_len, self.accumulating)
 
+    def annotated(self, result: SearchResult, device: Device) -> SearchResult:
+        """The search's result naming what its trials were (see ``annotated``)."""
+        return annotated(self, result, device)
+
     def session(self, steps: int = 2) -> RankSession:
         """A ``RankSession`` tracing this rank on fake tensors at several micro-batch sizes."""
         return RankSession(
@@ -315,13 +319,12 @@ def find_rank_batch_size(
     True
     """
     work = RankWorkload(model, seq_len, parallelism, dtype, optimizer)
-    result = search_workload(work, settings, device=device, **options)
-    return with_mode(result, work, ONE_RANK.resolve_device(work, device))
+    return search_workload(work, settings, device=device, **options)
 
 
-def with_mode(result: SearchResult, work: RankWorkload, device: Device) -> SearchResult:
-    """``result`` with ``extra["mode"]`` (what the trials on ``device`` were) and
-    ``extra["parallelism"]`` (the settings)."""
+def annotated(work: Any, result: SearchResult, device: Device) -> SearchResult:
+    """``result`` with ``extra["mode"]`` (what ``work``'s trials on ``device`` were: real, or traced
+    on a ``TraceDevice``) and ``extra["parallelism"]`` (the settings; batch sizes are per rank)."""
     mode = work.mode(isinstance(device, TraceDevice))
     return dataclasses.replace(result, extra={**result.extra, "mode": mode, "parallelism": work.parallelism.to_dict()})
 

@@ -444,7 +444,9 @@ class RankSession:
     def _checks(self, batch_size: int) -> Any:
         return plain_batch_checks(batch_size, self.seq_len)
 
-    _forward: Forward | None = None
+    def _forward(self, model: nn.Module, batch: Any) -> tuple[Any, Any]:
+        """``(output, loss)`` of one step on ``batch``: a language model's."""
+        return language_model_step(model, batch)
 
     def __exit__(self, *exc_info: object) -> None:
         self.model = self.optimizer = self.counter = None

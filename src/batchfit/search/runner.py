@@ -217,10 +217,19 @@ def search_workload(
         return hit
     plan, traced, deferred = _guess_by_trace(plan, workload)
     trials, space, reported = _run_trials(plan, workload, on_trial, on_trial_start, deferred, start)
-    result = _result(plan, workload.name, trials, space, {**traced, **reported}, start)
+    result = _annotated(
+        workload, _result(plan, workload.name, trials, space, {**traced, **reported}, start), plan.device
+    )
     if cached is not None and "stopped_by" not in result.extra:  # an edge the clock cut short is not kept
         cached.store(result)
     return result
+
+
+def _annotated(workload: Any, result: SearchResult, device: Device) -> SearchResult:
+    """``result`` as a workload that says what its trials are tells it (its ``annotated(result,
+    device)``: one rank of a sharded world names the mode), else as it is."""
+    annotate = getattr(workload, "annotated", None)
+    return annotate(result, device) if callable(annotate) else result
 
 
 def _plan(workload: Any, settings: SearchSettings, device: DeviceSpec) -> _Plan:
@@ -540,7 +549,7 @@ def find_max_batch_size(
         keep_output=keep_output,
     )
     if parallelism is not None:
-        return _one_rank_search(_one_rank(workload, parallelism), settings, device, on_trial)
+        workload = _one_rank(workload, parallelism)
     return search_workload(workload, settings, device=device, on_trial=on_trial)
 
 
@@ -551,15 +560,6 @@ def _one_rank(workload: Workload, parallelism: Any) -> Any:
     if not callable(one_rank):
         raise InputTypeError(f"parallelism must be a batchfit.parallel.Parallelism, got {type(parallelism).__name__}")
     return one_rank(workload)
-
-
-def _one_rank_search(
-    sharded: Any, settings: SearchSettings, device: DeviceSpec, on_trial: Callable[[Trial], None] | None
-) -> SearchResult:
-    result = search_workload(sharded, settings, device=device, on_trial=on_trial)
-    traced = isinstance(device_for(sharded, device), TraceDevice)
-    extra = {**result.extra, "mode": sharded.mode(traced), "parallelism": sharded.parallelism.to_dict()}
-    return dataclasses.replace(result, extra=extra)
 
 
 def probe_batch_size(
