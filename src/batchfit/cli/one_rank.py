@@ -1,8 +1,10 @@
-"""``batchfit find MODEL --gpus N --device ...``: real trials of one rank at world size N.
+"""Real trials of one rank at world size N from the CLI: ``find``/``plan WORKLOAD --gpus N
+--device ...`` and ``plan CONFIG --gpus N --verify``.
 
-Outside ``torchrun``, a model built from its config (an LLM preset or a config.json) is sharded
-with torch's FSDP2 over a fake process group of N ranks, and one rank's real training steps run
-on the local device (``cuda``, ``cpu`` or ``sim:CAPACITY``): see ``batchfit.parallel.one_rank``.
+Outside ``torchrun``, the model (built from its config for an LLM preset or a config.json, else
+the workload's own, copied onto ``meta``) is sharded with torch's FSDP2 over a fake process group
+of N ranks, and one rank's real training steps run on the local device (``cuda``, ``cpu`` or
+``sim:CAPACITY``): see ``batchfit.parallel.one_rank`` and ``batchfit.parallel.copied``.
 """
 
 from __future__ import annotations
