@@ -337,3 +337,16 @@ def test_a_storage_freed_on_another_thread_is_uncounted_by_the_counting_thread()
         born, freed, _ = counter.storage_log()
         assert freed.tolist() == [1, 2] and born.tolist() == [0, 1]
     del kept
+
+
+def test_the_host_check_counts_the_copy_of_the_model_a_trial_keeps(monkeypatch):
+    """A trial keeps a host copy of the model's state outside the simulated capacity: 600 MiB of
+    capacity alone fits the 80% of 1 GiB, with a 256 MiB model's copy it does not."""
+    monkeypatch.setattr("batchfit.devices.cpu.available_host_bytes", lambda: 2**30)
+    small = torch.nn.Linear(8, 2)
+    large = torch.nn.utils.skip_init(torch.nn.Linear, 8192, 8192, bias=False)  # 256 MiB, not initialised
+    batch = torch.randn(4, 8)
+    options = {"loss_fn": lambda out, batch: out.sum(), "device": "sim:600MiB"}
+    assert bf.probe_batch_size(small, batch, 2, **options).fits
+    with pytest.raises(bf.InputError, match=r"sim:600\.0MiB would need up to 856\.0 MiB .* 1\.0 GiB available"):
+        bf.probe_batch_size(large, torch.randn(4, 8192), 2, **options)

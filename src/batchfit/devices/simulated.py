@@ -49,16 +49,35 @@ class SimulatedDevice(CountingDevice):
         return self._capacity_bytes
 
     def for_workload(self, workload: object) -> SimulatedDevice:
-        """This device, once the host is known to have the memory its trials may really take: a
-        simulated capacity above what the host can give would make a search a threat to the
-        machine (the OOM killer, or swapping), so it is refused in one line naming the fix."""
-        check_host_has(self._capacity_bytes, self.name)
+        """This device, once the host is known to have the memory its trials may really take: the
+        capacity, and the host copy of the model's and optimizer's state a trial keeps to restore
+        them (outside the capacity). More than the host can give would make a search a threat to
+        the machine (the OOM killer, or swapping), so it is refused in one line naming the fix."""
+        check_host_has(self._capacity_bytes + state_copy_bytes(workload), self.name)
         return self
 
     def synchronize(self) -> None:
         """Wait for the step to finish: ``step_seconds`` of simulated compute (none by default)."""
         if self.step_seconds:
             time.sleep(self.step_seconds)
+
+
+def state_copy_bytes(workload: object) -> int:
+    """The bytes a trial's state snapshot copies to the host: ``workload``'s model's parameters and
+    buffers (this rank's shards of sharded ones) and its optimizer's state; 0 without a model.
+
+    >>> from batchfit.step.workload import Workload
+    >>> state_copy_bytes(Workload(torch.nn.Linear(4, 2), torch.zeros(1, 4), loss_fn=lambda out, batch: out.sum()))
+    40
+    """
+    model = getattr(workload, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return 0
+    optimizer = getattr(workload, "optimizer", None)
+    state = [v for s in (optimizer.state.values() if optimizer is not None else ()) for v in s.values()]
+    tensors = [*model.parameters(), *model.buffers(), *(v for v in state if isinstance(v, torch.Tensor))]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 HOST_SHARE = 0.8  # a simulated capacity may use at most this share of the host's available memory
