@@ -301,3 +301,25 @@ def test_a_users_own_model_traced_on_a_gpu_preset_agrees_with_its_real_trials() 
 
 def _token_loss_float(logits, ids):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+
+
+def test_a_hugging_face_model_of_ones_own_gets_the_same_answer_real_and_traced() -> None:
+    """transformers' GPT-2 (a model batchfit did not write), in the loop a user writes (its own
+    loss from labels, output alive through backward), as one rank of 4: real trials and the trace
+    find the same micro-batch, and the sizes both ran peak at the same bytes."""
+    from transformers import GPT2Config
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64, eos_token_id=0, bos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    ids = torch.randint(0, 512, (2, 32))
+    options = {"optimizer": torch.optim.AdamW(model.parameters()), "parallelism": Parallelism(world_size=4)}
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    real = bf.find_max_batch_size(model, batch, device=SimulatedDevice("8MiB"), **options)
+    traced = bf.find_max_batch_size(model, batch, device=TraceDevice("8MiB"), **options)
+    assert real.batch_size == traced.batch_size > 1
+    real_peaks = {t.batch_size: t.peak_bytes for t in real.trials if t.fits}
+    common = real_peaks.keys() & {t.batch_size for t in traced.trials}
+    assert real.batch_size in common
+    assert all(real_peaks[size] == next(t.peak_bytes for t in traced.trials if t.batch_size == size) for size in common)
