@@ -275,8 +275,13 @@ def test_the_cli_runs_a_workload_of_ones_own_as_one_rank_and_plans_with_it(tmp_p
     )
     assert planned.exit_code == 0, planned.output
     assert "(one rank of 4, real trials" in planned.output and "x 4 device(s) = 64 samples" in planned.output
-    estimated = runner.invoke(app, ["estimate", "mlp", "--gpus", "4", "--gpu", "h100-80gb"], env={"COLUMNS": "200"})
-    assert estimated.exit_code == 2 and "batchfit find mlp --gpus 4 --device sim:8GiB" in estimated.output
+    estimated = runner.invoke(
+        app, ["estimate", "mlp", "--gpus", "4", "--gpu", "h100-80gb", "--json", "e.json"], env={"COLUMNS": "200"}
+    )
+    assert estimated.exit_code == 0, estimated.output
+    assert "One rank, traced on fake tensors (nothing allocated)" in estimated.output
+    traced = json.loads((tmp_path / "e.json").read_text())
+    assert traced["mode"].startswith("one rank of 4, traced on fake tensors") and traced["exact"]
     small = runner.invoke(app, ["find", "mlp", "--gpus", "2", "--device", "sim:4KiB"], env={"COLUMNS": "200"})
     assert small.exit_code == 2 and "one rank's share of 2" in small.output and "more ranks" in small.output
 

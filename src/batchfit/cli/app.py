@@ -247,12 +247,13 @@ def estimate(
     if batch_size is not None and batch_size < 1:
         raise InputError(f"--batch-size must be a positive integer, got {batch_size}")
     if parallel.wanted(workload):
-        world, choices = parallel.world(), parallel.choices(activation_checkpointing)
+        choices = parallel.choices(activation_checkpointing)
         if not sharded.from_config(workload) and (":" in workload or workload in BUILTIN_WORKLOADS):
-            raise InputError(
-                f"a sharded estimate builds the model from its config (an LLM preset or a config.json); for "
-                f"{workload!r}, run one rank's real trials: batchfit find {workload} --gpus {world[0]} --device sim:8GiB"
-            )
+            loaded = functools.partial(load_for_cli, workload, seq_len, image_size, amp, keep_output=keep_output)
+            work, options = one_rank.rank_workload(workload, seq_len, choices, 0, loaded)
+            check_outputs(json_path, plot)
+            _estimate_own_rank(work, options, TraceDevice(gpu or capacity), json_path, quiet)
+            return
         check_outputs(json_path, plot)
         sharded.estimate_sharded(workload, gpu or capacity, batch_size, seq_len, choices, json_path, quiet)
         return
@@ -292,6 +293,21 @@ def estimate(
         from batchfit.cli.plots import plot_search
 
         plot_search(largest, plot)
+
+
+def _estimate_own_rank(work: Any, options: dict[str, Any], tracer: Any, json_path: Path | None, quiet: bool) -> None:
+    """``estimate WORKLOAD --gpus N``: one rank of a workload's sharded copy, traced on fake tensors
+    on ``tracer`` (a GPU preset or a size): the largest micro-batch per rank, every trial a trace."""
+    if not quiet:
+        console.print(one_rank.header(work, tracer, command="estimate"), highlight=False)
+    with console.status("Tracing one rank on fake tensors", spinner="dots"):
+        result = search_workload(work, device=tracer)
+    if quiet:
+        console.print(result.batch_size)
+    else:
+        print_result(console, result)
+    if json_path is not None:
+        write_json(json_path, result_document(result, workload=work.name, options=options, simulated=False))
 
 
 def _print_estimate(largest: Any, breakdown: Any, batch_size: int | None) -> None:

@@ -73,9 +73,11 @@ def parameters_text(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
 
 
-def header(work: Any, device: Any) -> str:
-    """The first lines of ``batchfit find`` for one rank: the model, the rank, the device, what is measured."""
+def header(work: Any, device: Any, command: str = "find") -> str:
+    """The first lines of ``batchfit find`` (or ``estimate``) for one rank: the model, the rank, the
+    device, what is measured (real trials, or traces on a ``TraceDevice``)."""
     from batchfit.cli.sharded import describe_parallelism
+    from batchfit.devices.trace import TraceDevice
 
     own = getattr(work, "workload", None)  # a ShardedCopy of the user's workload
     if own is not None:
@@ -84,10 +86,11 @@ def header(work: Any, device: Any) -> str:
     else:
         optimizer, batches = "AdamW", f"micro-batches of {work.seq_len} tokens"
     line = (
-        f"batchfit find: [bold]{escape(work.name)}[/] ({parameters_text(work.parameter_count())} parameters, "
+        f"batchfit {command}: [bold]{escape(work.name)}[/] ({parameters_text(work.parameter_count())} parameters, "
         f"{optimizer}), {describe_parallelism(work.parallelism)}, {batches} on [bold]{device.name}[/]"
-        f"\nOne rank, real trials: this rank's shards only, over torch's fake process group; "
-        f"collectives are not run and NCCL's buffers are not counted."
+        f"\nOne rank, {'traced on fake tensors (nothing allocated)' if isinstance(device, TraceDevice) else 'real trials'}: "
+        "this rank's shards only, over torch's fake process group; collectives are not run and NCCL's buffers are "
+        "not counted."
     )
     if device.simulated:
         line += (
