@@ -8,6 +8,7 @@ import time
 import torch
 
 from batchfit.devices.accounting import LiveBytes
+from batchfit.devices.accounting import local_tensors
 from batchfit.devices.base import CountingDevice
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
@@ -76,8 +77,7 @@ def state_copy_bytes(workload: object) -> int:
     optimizer = getattr(workload, "optimizer", None)
     state = [v for s in (optimizer.state.values() if optimizer is not None else ()) for v in s.values()]
     tensors = [*model.parameters(), *model.buffers(), *(v for v in state if isinstance(v, torch.Tensor))]
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    return sum(t.numel() * t.element_size() for t in local)
+    return sum(t.numel() * t.element_size() for tensor in tensors for t in local_tensors(tensor))
 
 
 HOST_SHARE = 0.8  # a simulated capacity may use at most this share of the host's available memory

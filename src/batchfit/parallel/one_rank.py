@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from batchfit.devices.accounting import local_tensors
 from batchfit.devices.base import Device
 from batchfit.devices.resolve import resolve_device
 from batchfit.devices.trace import TraceDevice
@@ -42,6 +42,8 @@ from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import OptimizerFactory
 from batchfit.parallel.trace import RankSession
 from batchfit.parallel.trace import default_optimizer
+from batchfit.parallel.trace import is_transformers_model
+from batchfit.parallel.trace import next_token_loss
 from batchfit.parallel.trace import vocab_size_of
 from batchfit.parallel.world import fake_world
 from batchfit.parallel.wrap import shard_model
@@ -58,10 +60,6 @@ DDP_REFUSAL = (
     "one-rank trials run FSDP2 over a fake process group, and DDP's reducer needs real collectives: "
     "use sharding='fsdp', 'hybrid' or 'none', or probe real DDP under torchrun"
 )
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def one_rank_mode(parallelism: Parallelism, traced: bool = False) -> str:
@@ -172,10 +170,6 @@ def local_shards(work: RankWorkload, mesh: Any, device: torch.device) -> nn.Modu
     return model
 
 
-def _plain_loss(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output.flatten(0, 1).float(), batch.flatten())
-
-
 def rank_step_workload(
     model: nn.Module, optimizer: torch.optim.Optimizer, seq_len: int, accumulating: bool = False
 ) -> Workload:
@@ -184,10 +178,10 @@ def rank_step_workload(
     of its logits (what ``trace_rank`` runs). The output stays alive through backward; with
     ``accumulating``, the gradients are held throughout (a later micro-batch of a window)."""
     ids = torch.randint(0, vocab_size_of(model), (1, seq_len))
-    if hasattr(model, "config") and hasattr(model, "loss_function"):
+    if is_transformers_model(model):
         sample, loss_fn = {"input_ids": ids, "labels": ids.clone()}, None
     else:
-        sample, loss_fn = ids, _plain_loss
+        sample, loss_fn = ids, next_token_loss
     return Workload(model, sample, loss_fn=loss_fn, optimizer=optimizer, accumulating=accumulating)
 
 
@@ -224,9 +218,8 @@ class RankProber:
         with contextlib.ExitStack() as stack:
             self._session = stack.enter_context(self.work.session(self.steps))
             self._prober = None
-            self.baseline_bytes = sum(
-                _local(t).numel() * _local(t).element_size() for t in self._session.model.parameters()
-            )
+            parameters = self._session.model.parameters()
+            self.baseline_bytes = sum(t.numel() * t.element_size() for p in parameters for t in local_tensors(p))
             self._stack = stack.pop_all()
         return self
 

@@ -154,7 +154,12 @@ def language_model_loss(
         output = model(input_ids=input_ids, labels=input_ids if labels is None else labels, use_cache=False)
         return output, output.loss
     logits = model(input_ids)
-    return logits, F.cross_entropy(logits.flatten(0, 1).float(), input_ids.flatten())
+    return logits, next_token_loss(logits, input_ids)
+
+
+def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a plain language model's logits (in fp32) against ``input_ids``."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), input_ids.flatten())
 
 
 def language_model_batch(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
