@@ -142,35 +142,42 @@ def accelerate_method(starting_batch_size: int) -> Callable[[Case], Run]:
     """``find_executable_batch_size`` around a function that runs real training steps at its size."""
 
     def run(case: Case) -> Run:
-        from accelerate.utils import find_executable_batch_size
-
-        work, device = prepared(case)
-        tally = Tally()
-
-        def train(batch_size: int) -> int:
-            tally.sizes.append(batch_size)
-            try:
-                with device.measuring():
-                    batch = resize_batch(work.sample_batch, batch_size)
-                    for _ in range(STEPS_PER_CALL):
-                        train_step(work, batch)
-                        tally.steps += 1
-            except torch.OutOfMemoryError:
-                tally.ooms += 1
-                raise
-            finally:
-                drain_autograd_queue()
-            tally.fitted.append(batch_size)
-            return batch_size
-
-        start = time.perf_counter()
-        try:
-            found = find_executable_batch_size(train, starting_batch_size=starting_batch_size)()
-        except RuntimeError as error:  # "No executable batch size found, reached zero."
-            return Run(None, tally, time.perf_counter() - start, {"error": str(error)})
-        return Run(found, tally, time.perf_counter() - start)
+        return accelerate_run(*prepared(case), starting_batch_size)
 
     return run
+
+
+def accelerate_run(work: bf.Workload, device: bf.SimulatedDevice, starting_batch_size: int) -> Run:
+    """accelerate's ``find_executable_batch_size`` from ``starting_batch_size`` around a function
+    that runs ``STEPS_PER_CALL`` real training steps at its size, each ending with
+    ``device.synchronize()`` as a batchfit trial's does."""
+    from accelerate.utils import find_executable_batch_size
+
+    tally = Tally()
+
+    def train(batch_size: int) -> int:
+        tally.sizes.append(batch_size)
+        try:
+            with device.measuring():
+                batch = resize_batch(work.sample_batch, batch_size)
+                for _ in range(STEPS_PER_CALL):
+                    train_step(work, batch)
+                    device.synchronize()
+                    tally.steps += 1
+        except torch.OutOfMemoryError:
+            tally.ooms += 1
+            raise
+        finally:
+            drain_autograd_queue()
+        tally.fitted.append(batch_size)
+        return batch_size
+
+    start = time.perf_counter()
+    try:
+        found = find_executable_batch_size(train, starting_batch_size=starting_batch_size)()
+    except RuntimeError as error:  # "No executable batch size found, reached zero."
+        return Run(None, tally, time.perf_counter() - start, {"error": str(error)})
+    return Run(found, tally, time.perf_counter() - start)
 
 
 # -- Ultralytics-style ------------------------------------------------------------------------

@@ -53,7 +53,6 @@ from batchfit.devices.cleanup import drain_autograd_queue
 from batchfit.search.files import atomic_write_text
 from batchfit.search.prober import Prober
 from batchfit.search.strategies import Grow
-from batchfit.step.batching import resize_batch
 from batchfit.step.batching import tensor_leaves
 
 HERE = Path(__file__).parent
@@ -63,9 +62,9 @@ from bench_workloads import CASES  # noqa: E402
 from bench_workloads import EDGES_PATH  # noqa: E402
 from bench_workloads import Case  # noqa: E402
 from bench_workloads import scan_edge  # noqa: E402
+from peer_methods import STEPS_PER_CALL  # noqa: E402
 from peer_methods import Run  # noqa: E402
 from peer_methods import Tally  # noqa: E402
-from peer_methods import train_step  # noqa: E402
 from peers import git_state  # noqa: E402
 
 from hf_models import Size  # noqa: E402
@@ -77,7 +76,7 @@ from hf_models import workload  # noqa: E402
 
 CHEAP_SECONDS, EXPENSIVE_SECONDS = 0.0, 1.0  # simulated seconds per completed training step
 BINARY_MAX, GROW_START, GROW_TRIALS = 512, 32, 5  # binary and grow as benchmarks/peers.py runs them
-ACCELERATE_STEPS = 2  # accelerate: steps per call of the wrapped function, as in a batchfit trial
+
 WITHIN = 1.10  # "within 10% of the fastest exact method"
 MISSED_LISTED = 5  # the "what this shows" paragraph names at most this many cases auto missed
 SEQ, VOCAB = 64, 1024  # the outside language models: tokens per row and vocabulary
@@ -269,39 +268,15 @@ def auto_extra(extra: dict) -> dict:
 
 
 def accelerate_method(starting_batch_size: int) -> Method:
-    """accelerate's ``find_executable_batch_size`` around real training steps at its size; each
-    completed step ends with ``device.synchronize()``, as a batchfit trial's does."""
+    """accelerate's ``find_executable_batch_size`` around real training steps at its size, as
+    benchmarks/peer_methods.py runs it."""
 
     def run(case: Case, step_seconds: float) -> Run:
-        from accelerate.utils import find_executable_batch_size
+        from peer_methods import accelerate_run
 
         work, device = fresh(case, step_seconds)
         device.register([*work.state_tensors(), *tensor_leaves(work.sample_batch)])
-        tally = Tally()
-
-        def train(batch_size: int) -> int:
-            tally.sizes.append(batch_size)
-            try:
-                with device.measuring():
-                    batch = resize_batch(work.sample_batch, batch_size)
-                    for _ in range(ACCELERATE_STEPS):
-                        train_step(work, batch)
-                        device.synchronize()
-                        tally.steps += 1
-            except torch.OutOfMemoryError:
-                tally.ooms += 1
-                raise
-            finally:
-                drain_autograd_queue()
-            tally.fitted.append(batch_size)
-            return batch_size
-
-        start = time.perf_counter()
-        try:
-            found = find_executable_batch_size(train, starting_batch_size=starting_batch_size)()
-        except RuntimeError as error:  # "No executable batch size found, reached zero."
-            return Run(None, tally, time.perf_counter() - start, {"error": str(error)})
-        return Run(found, tally, time.perf_counter() - start)
+        return accelerate_run(work, device, starting_batch_size)
 
     return run
 
@@ -731,7 +706,7 @@ def report(results: dict, mode: Mode = DEFAULT) -> str:
             f"them (`binary` capped at {BINARY_MAX}; `grow` from {GROW_START}, at most {GROW_TRIALS} trials); the "
             "peers as benchmarks/peer_methods.py runs them: Lightning's `Tuner.scale_batch_size` (`power`, "
             f"`binsearch`, 3 steps a trial) on a CPU `Trainer`, and accelerate's `find_executable_batch_size` from "
-            f"128 and from 1024 around {ACCELERATE_STEPS} training steps. `true` is the largest size that fits: "
+            f"128 and from 1024 around {STEPS_PER_CALL} training steps. `true` is the largest size that fits: "
             "a linear scan (bench_workloads.scan_edge), cached, and each cached edge rechecked at the start of the "
             f"run (it fits, one more does not){moved_note(results['true_edges_moved'])}. Trials, OOM trials and steps are real ones (steps: completed training "
             "steps). Wall times are one run each on a shared 2-core machine: read them as ratios.",

@@ -538,9 +538,10 @@ def find_max_batch_size(
     )
     if longest_seq_len is not None:
         sample_batch = pad_sequences(sample_batch, longest_seq_len)
-    workload = Workload(
+    workload = _users_workload(
         model,
         sample_batch,
+        parallelism,
         loss_fn=loss_fn,
         optimizer=optimizer,
         amp_dtype=amp_dtype,
@@ -548,14 +549,15 @@ def find_max_batch_size(
         step_fn=step_fn,
         keep_output=keep_output,
     )
-    if parallelism is not None:
-        workload = _one_rank(workload, parallelism)
     return search_workload(workload, settings, device=device, on_trial=on_trial)
 
 
-def _one_rank(workload: Workload, parallelism: Any) -> Any:
-    """``workload`` as one rank of ``parallelism`` (its ``one_rank``: the parallel layer's, which this
-    layer does not import)."""
+def _users_workload(model: torch.nn.Module, sample_batch: Any, parallelism: Any, **options: Any) -> Any:
+    """The ``Workload`` of the public functions' arguments; with ``parallelism``, as one rank of it
+    (its ``one_rank``: the parallel layer's, which this layer does not import)."""
+    workload = Workload(model, sample_batch, **options)
+    if parallelism is None:
+        return workload
     one_rank = getattr(parallelism, "one_rank", None)
     if not callable(one_rank):
         raise InputTypeError(f"parallelism must be a batchfit.parallel.Parallelism, got {type(parallelism).__name__}")
@@ -588,9 +590,10 @@ def probe_batch_size(
     (True, 2)
     """
     settings = SearchSettings(margin=margin, steps=steps)
-    workload = Workload(
+    workload = _users_workload(
         model,
         sample_batch,
+        parallelism,
         loss_fn=loss_fn,
         optimizer=optimizer,
         amp_dtype=amp_dtype,
@@ -598,8 +601,6 @@ def probe_batch_size(
         step_fn=step_fn,
         keep_output=keep_output,
     )
-    if parallelism is not None:
-        workload = _one_rank(workload, parallelism)
     return probe_workload(workload, batch_size, settings, device=device)
 
 
