@@ -88,3 +88,34 @@ def test_a_sharded_plan_needs_a_gpu_preset_or_size():
     assert result.exit_code == 2 and "give --gpu (e.g. --gpu h100-80gb)" in result.stderr
     result = invoke("plan", "llama-3-8b", "--gpus", "8", "--gpu", "h200-9000")
     assert result.exit_code == 2 and "is neither a size like '40GiB' nor a GPU preset" in result.stderr
+
+
+def test_cpu_offload_moves_the_sharded_state_to_the_host_and_fits_more_per_rank(small_llama, tmp_path):
+    out = tmp_path / "offload.json"
+    args = ["--capacity", CAPACITY, "--gpus", "2", "--seq-len", "64", "--cpu-offload", "--json", str(out)]
+    result = invoke("estimate", small_llama, *args)
+    assert result.exit_code == 0, result.output
+    assert "rank 0 of 2, FSDP2 full shard, CPU offload" in result.output and "Host memory per rank" in result.output
+    document = json.loads(out.read_text())
+    assert document["parallelism"]["cpu_offload"] is True
+    assert all(document["breakdown"][part] == 0 for part in ("sharded_parameters", "gradients", "optimizer_state"))
+    host = document["choices"][0]["estimate"]["host_breakdown"]
+    assert document["host_peak_bytes"] == sum(host.values()) and host["optimizer_state"] > 0
+    plain = invoke("estimate", small_llama, *args[:-3], "--json", str(tmp_path / "plain.json"))
+    assert plain.exit_code == 0, plain.output
+    kept = json.loads((tmp_path / "plain.json").read_text())
+    assert "host_peak_bytes" not in kept and kept["breakdown"]["optimizer_state"] > 0
+    assert document["largest_batch_size"] > kept["largest_batch_size"]  # 5 against 4: the state left the device
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (["find", "gpt-tiny", "--gpus", "2", "--cpu-offload", "--device", "sim:64MiB"], "host and device are one"),
+        (["plan", "llama-3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--cpu-offload", "--verify"], "drop --verify"),
+    ],
+)
+def test_cpu_offload_in_real_trials_is_one_line(command, message):
+    result = invoke(*command)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and result.stderr.count("\n") == 1

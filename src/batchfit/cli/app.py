@@ -545,6 +545,11 @@ def plan(
             raise InputError(f"--devices {devices} disagrees with the {world[0]} ranks of --gpus/--nodes: give one")
         if sharded.from_config(workload):
             choices = parallel.choices(activation_checkpointing or "none,full")
+            if verify and parallel.cpu_offload:
+                raise InputError(
+                    "--verify runs real trials of one rank, and CPU offload cannot run for real on one device: "
+                    "drop --verify or --cpu-offload"
+                )
             verify_on = device if verify else None
             _plan_sharded(planning, workload, gpu, seq_len or sharded.DEFAULT_SEQ_LEN, choices, json_path, verify_on)
             return

@@ -43,6 +43,14 @@ ParamDtype = Annotated[
 ReduceDtype = Annotated[
     str | None, typer.Option(help="FSDP2 mixed precision: the dtype gradients are reduced in, e.g. fp32.")
 ]
+CpuOffload = Annotated[
+    bool,
+    typer.Option(
+        "--cpu-offload",
+        help="FSDP2's CPU offload: sharded parameters, gradients and optimizer state in host memory, the "
+        "optimizer step on the CPU (traced on a fake accelerator; with a model from its config).",
+    ),
+]
 Checkpointing = Annotated[
     str,
     typer.Option(
@@ -64,10 +72,11 @@ class ParallelOptions:
     hybrid_shard: bool = False
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    cpu_offload: bool = False
 
     def wanted(self, workload: str) -> bool:
         """Whether the command takes the sharded path (see ``wants_sharded``)."""
-        return wants_sharded(workload, self.gpus, self.nodes, self.fsdp, self.hybrid_shard)
+        return self.cpu_offload or wants_sharded(workload, self.gpus, self.nodes, self.fsdp, self.hybrid_shard)
 
     def world(self) -> tuple[int, int | None]:
         """The ranks in all and per node (see ``world_size_of``)."""
@@ -75,7 +84,9 @@ class ParallelOptions:
 
     def choices(self, checkpointing: str) -> list[Any]:
         """One ``Parallelism`` per activation-checkpointing choice (see ``parallelisms``)."""
-        return parallelisms(self.world(), self.hybrid_shard, self.param_dtype, self.reduce_dtype, checkpointing)
+        return parallelisms(
+            self.world(), self.hybrid_shard, self.param_dtype, self.reduce_dtype, checkpointing, self.cpu_offload
+        )
 
 
 NO_PARALLEL_OPTIONS = ParallelOptions()
@@ -88,6 +99,7 @@ OPTION_TYPES = {
     "hybrid_shard": (HybridShard, False),
     "param_dtype": (ParamDtype, None),
     "reduce_dtype": (ReduceDtype, None),
+    "cpu_offload": (CpuOffload, False),
 }
 
 
@@ -172,13 +184,16 @@ def parallelisms(
     param_dtype: str | None,
     reduce_dtype: str | None,
     checkpointing: str,
+    cpu_offload: bool = False,
 ) -> list[Any]:
     """One ``Parallelism`` per activation-checkpointing choice asked for, in order
-    (``"none,selective,full"``: all three)."""
+    (``"none,selective,full"``: all three). FSDP2 shards even one rank where its mixed precision
+    or CPU offload is asked for."""
     from batchfit.parallel.settings import Parallelism
 
     world_size, gpus_per_node = world
-    sharding = "hybrid" if hybrid_shard else ("fsdp" if world_size > 1 or param_dtype or reduce_dtype else "none")
+    fsdp = world_size > 1 or param_dtype or reduce_dtype or cpu_offload
+    sharding = "hybrid" if hybrid_shard else ("fsdp" if fsdp else "none")
     choices = [choice.strip() for choice in checkpointing.split(",") if choice.strip()]
     if not choices:
         raise InputError("--activation-checkpointing needs none, selective, full, or several: none,selective,full")
@@ -190,6 +205,7 @@ def parallelisms(
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             activation_checkpointing=choice,
+            cpu_offload=cpu_offload,
         )
         for choice in dict.fromkeys(choices)
     ]
@@ -207,6 +223,8 @@ def describe_parallelism(parallelism: Any) -> str:
         parts.append(f"{str(parallelism.param_dtype).removeprefix('torch.')} compute")
     if parallelism.reduce_dtype is not None:
         parts.append(f"{str(parallelism.reduce_dtype).removeprefix('torch.')} reduce")
+    if parallelism.cpu_offload:
+        parts.append("CPU offload")
     return ", ".join(parts)
 
 
@@ -254,6 +272,8 @@ def estimate_sharded(
 def _print_sharded(results: list[tuple[Any, Any, Any]], capacity_bytes: int, batch_size: int | None) -> None:
     for parallelism, found, at in results:
         console.print(breakdown_table(at, parallelism.activation_checkpointing))
+        if at.host_peak_bytes is not None:
+            console.print(host_line(at), highlight=False)
         console.print(
             f"[bold green]Activation checkpointing {parallelism.activation_checkpointing}: the largest micro-batch "
             f"per rank is {found.batch_size} x {at.seq_len} tokens ({found.traces} traces).[/]",
@@ -267,6 +287,16 @@ def _print_sharded(results: list[tuple[Any, Any, Any]], capacity_bytes: int, bat
         "Not traced: NCCL's buffers, the CUDA context beyond the preset's reserve, allocator fragmentation. "
         "No GPU has checked these figures.",
         style="dim",
+    )
+
+
+def host_line(estimate: Any) -> str:
+    """With CPU offload: the host memory one rank needs, by part."""
+    parts = sorted(estimate.host_breakdown.items(), key=lambda item: -item[1])
+    listed = ", ".join(f"{name.replace('_', ' ')} {format_bytes(nbytes)}" for name, nbytes in parts)
+    return (
+        f"Host memory per rank (CPU offload): {format_bytes(estimate.host_peak_bytes)} at its peak ({listed}); "
+        "FSDP2 pins it by default."
     )
 
 
@@ -297,6 +327,7 @@ def _document(
         "breakdown": dict(at.breakdown),
         "world_size": at.world_size,
         "largest_batch_size": found.batch_size,
+        **_host_part(at),
         "batch_size": at.batch_size,
         "seq_len": seq_len,
         "workload": {"name": workload, "options": {"seq_len": seq_len}},
@@ -408,12 +439,20 @@ def plan_document(plan: Any, found: list[tuple[Any, Any]], chosen: Any, capacity
                 "largest_batch_size": largest.batch_size,
                 "peak_bytes": largest.estimate.peak_bytes,
                 "breakdown": dict(largest.estimate.breakdown),
+                **_host_part(largest.estimate),
             }
             for parallelism, largest in found
         ],
         "not_traced": ["NCCL buffers", "the CUDA context beyond the preset's reserve", "allocator fragmentation"],
     }
     return document
+
+
+def _host_part(estimate: Any) -> dict[str, Any]:
+    """With CPU offload, the host's peak and its breakdown; nothing without."""
+    if estimate.host_peak_bytes is None:
+        return {}
+    return {"host_peak_bytes": estimate.host_peak_bytes, "host_breakdown": dict(estimate.host_breakdown)}
 
 
 def with_gradients_held(workload: str, capacity: str, seq_len: int, parallelism: Any, largest: Any) -> int:
@@ -423,6 +462,8 @@ def with_gradients_held(workload: str, capacity: str, seq_len: int, parallelism:
     from batchfit.parallel.fit import largest_batch_size
 
     gradients = largest.estimate.state_bytes.get("gradients", 0)
+    if gradients == 0:  # CPU offload: the gradient shards are held on the host
+        return largest.batch_size
     capacity_bytes, _ = capacity_of(capacity)
     with console.status("Tracing again with the accumulation window's gradients held"):
         held = largest_batch_size(workload, seq_len, capacity_bytes - gradients, parallelism=parallelism)

@@ -28,6 +28,7 @@ from batchfit.parallel.one_rank import ONE_RANK
 from batchfit.parallel.one_rank import RankBackend
 from batchfit.parallel.one_rank import annotated
 from batchfit.parallel.one_rank import one_rank_mode
+from batchfit.parallel.settings import REAL_OFFLOAD_REFUSAL
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import RankSession
 from batchfit.parallel.wrap import shard_model
@@ -134,6 +135,8 @@ class ShardedCopy:
             raise InputTypeError(f"parallelism must be a batchfit Parallelism, got {type(self.parallelism).__name__}")
         if self.parallelism.sharding == "ddp":
             raise InputError(DDP_REFUSAL)
+        if self.parallelism.cpu_offload:
+            raise InputError(REAL_OFFLOAD_REFUSAL)
         object.__setattr__(self, "workload", uncompiled(self.workload))  # FSDP2 shards the module itself
 
     @property
@@ -195,6 +198,8 @@ class WorkloadSession(RankSession):
     ):
         if workload.optimizer is None:
             raise InputError("a sharded trace runs the optimizer step: give the Workload an optimizer")
+        if parallelism is not None and parallelism.cpu_offload:
+            raise InputError(REAL_OFFLOAD_REFUSAL)
         super().__init__(lambda: workload.model, 1, parallelism=parallelism, steps=steps, fake=fake)
         self.workload, self.seq_len = workload, 0
 

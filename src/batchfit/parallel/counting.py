@@ -258,3 +258,47 @@ class _CountingMode(TorchDispatchMode):
         for tensor in tensors_in(out):
             counter.track(tensor, role)
         return out
+
+
+class HostAndDeviceBytes(RankBytes):
+    """A ``RankBytes`` for the device whose storages on the CPU go to a second one, ``host``:
+    one rank on a fake accelerator (``batchfit.parallel.accelerator``), where FSDP2's CPU offload
+    keeps the sharded state on the host. Roles, phases and peaks are kept in both.
+
+    >>> counter = HostAndDeviceBytes()
+    >>> state = torch.zeros(256)  # on the CPU: the host
+    >>> counter.track(state, role="optimizer_state")
+    >>> counter.live_bytes, counter.host.live_bytes, counter.host.breakdown()
+    (0, 1024, {'optimizer_state': 1024})
+    """
+
+    def __init__(self, rounding_bytes: int = CUDA_BLOCK_BYTES):
+        super().__init__(rounding_bytes)
+        self.host = RankBytes(rounding_bytes)
+
+    def track(self, value: Any, role: str | None = None) -> None:
+        for tensor in plain_tensors(value):
+            if tensor.device.type == "cpu":
+                self.host.track(tensor, role)
+            else:
+                self._track_storage(tensor.untyped_storage(), role)
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        if storage._cdata in self.host.sizes:
+            self.host.resized(storage)
+        else:
+            super().resized(storage)
+
+    def assign(self, values: Iterable[Any], role: str) -> None:
+        # by device: a host storage's key may equal that of a freed device storage
+        tensors = [tensor for value in values for tensor in plain_tensors(value)]
+        super().assign([tensor for tensor in tensors if tensor.device.type != "cpu"], role)
+        self.host.assign([tensor for tensor in tensors if tensor.device.type == "cpu"], role)
+
+    def start_phase(self, phase: str) -> None:
+        super().start_phase(phase)
+        self.host.start_phase(phase)
+
+    def restart_peak(self) -> None:
+        super().restart_peak()
+        self.host.restart_peak()

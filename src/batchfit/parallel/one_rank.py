@@ -38,6 +38,7 @@ from batchfit.errors import ModelDoesNotFitError
 from batchfit.parallel.fit import PhaseLines
 from batchfit.parallel.models import ModelSpec
 from batchfit.parallel.models import model_builder
+from batchfit.parallel.settings import REAL_OFFLOAD_REFUSAL
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import OptimizerFactory
 from batchfit.parallel.trace import RankSession
@@ -94,6 +95,8 @@ class RankWorkload:
             raise InputTypeError(f"parallelism must be a batchfit Parallelism, got {type(self.parallelism).__name__}")
         if self.parallelism.sharding == "ddp":
             raise InputError(DDP_REFUSAL)
+        if self.parallelism.cpu_offload:
+            raise InputError(REAL_OFFLOAD_REFUSAL)
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise InputError(f"seq_len must be an integer of at least 1, got {self.seq_len!r}")
 

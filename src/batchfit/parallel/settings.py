@@ -37,6 +37,14 @@ def dtype_of(value: torch.dtype | str | None, name: str) -> torch.dtype | None:
     )
 
 
+REAL_OFFLOAD_REFUSAL = (
+    "cpu_offload is traced for a model built from its config (a preset, a config.json, a transformers config "
+    "or an importable function: batchfit estimate/plan --cpu-offload, trace_rank, largest_batch_size); real "
+    "trials of one rank run on one device, where host and device are one, and a Workload of one's own is "
+    "traced as one rank's copy, without it"
+)
+
+
 def _positive_int(value: object, name: str, example: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InputTypeError(f"{name} must be an integer such as {example}, got {type(value).__name__} {value!r}")
@@ -87,6 +95,12 @@ class Parallelism:
     rank: int = 0
     """The rank whose memory is measured (FSDP2 pads shards to one size, so ranks agree)."""
 
+    cpu_offload: bool = False
+    """FSDP2's ``CPUOffloadPolicy``: the sharded parameters, their gradients and the optimizer
+    state live in host memory, and the optimizer step runs on the CPU; the device holds the
+    gathered parameters, the copies of shards made for each all-gather and of gradients before
+    they go back, and the activations. Traced only (on a fake accelerator, in a child process)."""
+
     def __post_init__(self) -> None:
         _positive_int(self.world_size, "world_size", "8")
         if self.gpus_per_node is not None:
@@ -102,6 +116,12 @@ class Parallelism:
             raise InputError(
                 f"param_dtype/reduce_dtype are FSDP2's mixed-precision policy: use sharding='fsdp' or 'hybrid', "
                 f"or leave them None for sharding={self.sharding!r}"
+            )
+        if not isinstance(self.cpu_offload, bool):
+            raise InputTypeError(f"cpu_offload must be True or False, got {self.cpu_offload!r}")
+        if self.cpu_offload and self.sharding not in ("fsdp", "hybrid"):
+            raise InputError(
+                f"cpu_offload is FSDP2's CPUOffloadPolicy: use sharding='fsdp' or 'hybrid' (got {self.sharding!r})"
             )
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise InputError(
@@ -156,7 +176,7 @@ class Parallelism:
         >>> Parallelism(world_size=2, param_dtype="bf16").to_dict()["param_dtype"]
         'bfloat16'
         """
-        names = ("world_size", "gpus_per_node", "sharding", "activation_checkpointing", "rank")
+        names = ("world_size", "gpus_per_node", "sharding", "activation_checkpointing", "rank", "cpu_offload")
         plain = {name: getattr(self, name) for name in names}
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)

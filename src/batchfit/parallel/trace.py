@@ -37,6 +37,8 @@ from torch.nn import functional as F
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
+from batchfit.parallel import accelerator
+from batchfit.parallel.counting import HostAndDeviceBytes
 from batchfit.parallel.counting import PeakMoment
 from batchfit.parallel.counting import RankBytes
 from batchfit.parallel.models import ModelSpec
@@ -105,6 +107,11 @@ class ShardedEstimate:
     state_bytes: dict[str, int] = field(default_factory=dict)
     phase_peaks_bytes: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    host_peak_bytes: int | None = None
+    """With CPU offload: the rank's peak bytes in host memory in that step (its sharded state and
+    the optimizer's working memory); ``None`` without offload."""
+    host_breakdown: dict[str, int] = field(default_factory=dict)
+    """``host_peak_bytes`` by role (they sum to it)."""
 
     def summary(self) -> str:
         """One sentence: the peak per rank, where it happens, the largest part.
@@ -114,11 +121,14 @@ class ShardedEstimate:
         'Per rank at micro-batch 1 x 4096 tokens over 8 ranks: 3.0 GiB (in backward), the largest part activations (2.0 GiB).'
         """
         name, nbytes = max(self.breakdown.items(), key=lambda item: item[1])
+        host = (
+            "" if self.host_peak_bytes is None else f" Host memory: {format_bytes(self.host_peak_bytes)} (offloaded)."
+        )
         return (
             f"Per rank at micro-batch {self.batch_size}{f' x {self.seq_len} tokens' if self.seq_len else ''} "
             f"over {self.world_size} ranks: "
             f"{format_bytes(self.peak_bytes)} (in {self.peak_phase}), the largest part "
-            f"{name.replace('_', ' ')} ({format_bytes(nbytes)})."
+            f"{name.replace('_', ' ')} ({format_bytes(nbytes)}).{host}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,8 +144,12 @@ class ShardedEstimate:
             "step_peaks_bytes": list(self.step_peaks_bytes),
             "state_bytes": dict(self.state_bytes),
             "phase_peaks_bytes": dict(self.phase_peaks_bytes),
+            **({} if self.host_peak_bytes is None else self._host_dict()),
             **self.extra,
         }
+
+    def _host_dict(self) -> dict[str, Any]:
+        return {"host_peak_bytes": self.host_peak_bytes, "host_breakdown": dict(self.host_breakdown)}
 
 
 def is_transformers_model(model: nn.Module) -> bool:
@@ -365,7 +379,10 @@ def _checked_parallelism(parallelism: Parallelism | None) -> Parallelism:
     return parallelism
 
 
-def _estimate(peaks: list[StepPeak], batch_size: int, seq_len: int, parallelism: Parallelism) -> ShardedEstimate:
+def _estimate(
+    peaks: list[StepPeak], batch_size: int, seq_len: int, parallelism: Parallelism, host: RankBytes | None = None
+) -> ShardedEstimate:
+    """The estimate of the last of ``peaks``; ``host``: the host's counter, as that step left it."""
     last = peaks[-1]
     return ShardedEstimate(
         peak_bytes=last.peak_bytes,
@@ -378,6 +395,8 @@ def _estimate(peaks: list[StepPeak], batch_size: int, seq_len: int, parallelism:
         step_peaks_bytes=tuple(step.peak_bytes for step in peaks),
         state_bytes=last.state_bytes,
         phase_peaks_bytes=last.phase_peaks_bytes,
+        host_peak_bytes=None if host is None else host.peak_bytes,
+        host_breakdown={} if host is None else {role: n for role, n in host.breakdown().items() if n},
     )
 
 
@@ -393,6 +412,10 @@ class RankSession:
     (``step_peaks_bytes`` then holds that one step). Should a step change what the rank keeps
     between steps, that size is traced again from ``steps`` steps. The process group lives
     while the ``with`` block does; fake mode is on only inside ``trace``.
+
+    With ``Parallelism(cpu_offload=True)`` the session lives in a child process that runs one
+    rank on a fake accelerator (``batchfit.parallel.offload``), and each estimate counts the
+    host's bytes apart (``host_peak_bytes``); the model and optimizer specs must then pickle.
 
     >>> from batchfit.parallel.models import TinyTransformer
     >>> with RankSession(TinyTransformer, 16, parallelism=Parallelism(world_size=2)) as session:
@@ -414,9 +437,17 @@ class RankSession:
     ):
         self.parallelism = _checked_parallelism(parallelism)
         _check_sizes(1, seq_len, steps)
+        if self.parallelism.cpu_offload and not fake:
+            raise InputError(
+                "cpu_offload is traced on fake tensors only (fake=True): on this machine host and device are one, "
+                "so real tensors would measure no offload"
+            )
         self.seq_len, self.steps, self.fake = seq_len, steps, fake
+        self._spec = {"model": model, "dtype": dtype, "optimizer": optimizer}  # for a child process
         self._build = model_builder(model, dtype)
         self._make_optimizer = optimizer or default_optimizer
+        self._child: Any = None  # with CPU offload: the child process that traces (batchfit.parallel.offload)
+        self._device = torch.device("cpu")  # the fake accelerator in a process that has it
         self._stack: contextlib.ExitStack | None = None
         self._warm = False  # whether a step has made the optimizer state and FSDP2's lazy state
         self._failed = False  # whether a trace raised (the model may be stuck in a step)
@@ -426,24 +457,43 @@ class RankSession:
     def __enter__(self) -> RankSession:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
+        on_accelerator = accelerator.is_registered() and self.fake  # in batchfit's child process, or a benchmark's
+        if self.parallelism.cpu_offload and not on_accelerator:
+            return self._enter_child()
+        if on_accelerator:
+            self._device = torch.device(accelerator.NAME, 0)
         with contextlib.ExitStack() as stack:
-            mesh = stack.enter_context(fake_world(self.parallelism))
+            mesh = stack.enter_context(fake_world(self.parallelism, self._device.type))
             self._mode = FakeTensorMode(allow_non_fake_inputs=True) if self.fake else contextlib.nullcontext()
             with self._mode:
                 self.model, self.optimizer = self._sharded(mesh)
-            self.counter = RankBytes()
+            self.counter = HostAndDeviceBytes() if on_accelerator else RankBytes()
             self._stack = stack.pop_all()
         return self
 
+    def _enter_child(self) -> RankSession:
+        """Trace in a child process with the fake accelerator (whose registration is process-wide)."""
+        from batchfit.parallel.offload import ChildSession
+
+        options = {**self._spec, "parallelism": self.parallelism, "steps": self.steps}
+        self._child = ChildSession(self.seq_len, options)
+        self._stack = contextlib.ExitStack()
+        self._stack.callback(self._child.close)
+        return self
+
     def _sharded(self, mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """The rank's model (built from its spec, sharded over ``mesh``) and its optimizer."""
-        model = shard_model(self._build(), mesh, self.parallelism)
+        """The rank's model (built from its spec, on the session's device, sharded over ``mesh``)
+        and its optimizer."""
+        model = self._build()
+        if self._device.type != "cpu":
+            model = accelerator.moved_to(model, self._device)
+        model = shard_model(model, mesh, self.parallelism)
         self._vocab_size = vocab_size_of(model)
         return model, self._make_optimizer(model.parameters())
 
     def _batch(self, batch_size: int) -> Any:
         """A batch of ``batch_size`` rows and what checks it (made inside the session's mode)."""
-        input_ids = torch.randint(0, self._vocab_size, (batch_size, self.seq_len))
+        input_ids = torch.randint(0, self._vocab_size, (batch_size, self.seq_len), device=self._device)
         return language_model_batch(self.model, input_ids)
 
     def _checks(self, batch_size: int) -> Any:
@@ -454,7 +504,7 @@ class RankSession:
         return language_model_step(model, batch)
 
     def __exit__(self, *exc_info: object) -> None:
-        self.model = self.optimizer = self.counter = None
+        self.model = self.optimizer = self.counter = self._child = None
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
@@ -467,12 +517,18 @@ class RankSession:
         if self._failed:
             raise InputError("this RankSession's model stopped in the middle of a step: trace in a new RankSession")
         try:
-            peaks = self._traced(batch_size)
+            if self._child is not None:
+                estimate, self.steps_run = self._child.trace(batch_size)
+            else:
+                peaks = self._traced(batch_size)
+                estimate = _estimate(
+                    peaks, batch_size, self.seq_len, self.parallelism, getattr(self.counter, "host", None)
+                )
         except BaseException:
             self._failed = True  # FSDP2 may hold gathered parameters, the optimizer half a step
             raise
         self.traces += 1
-        return _estimate(peaks, batch_size, self.seq_len, self.parallelism)
+        return estimate
 
     def _traced(self, batch_size: int) -> list[StepPeak]:
         with self._mode:

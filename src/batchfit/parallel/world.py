@@ -24,7 +24,7 @@ MESH_NAMES = {1: ("shard",), 2: ("replicate", "shard")}
 @contextlib.contextmanager
 def fake_world(parallelism: Parallelism, device_type: str = "cpu") -> Iterator[DeviceMesh]:
     """Start torch's fake process group as ``parallelism.rank`` of ``parallelism.world_size`` and
-    yield its device mesh (1-D, or 2-D (replicate, shard) for hybrid sharding). The group is
+    yield its device mesh on ``device_type`` (1-D, or 2-D (replicate, shard) for hybrid sharding). The group is
     destroyed on the way out, also after an error. Refused when a process group already exists
     (a ``torchrun`` job, or a world not yet closed): this one would replace it.
 
@@ -42,7 +42,8 @@ def fake_world(parallelism: Parallelism, device_type: str = "cpu") -> Iterator[D
             "torch.distributed.destroy_process_group() first"
         )
     store = FakeStore()
-    dist.init_process_group("fake", store=store, rank=parallelism.rank, world_size=parallelism.world_size)
+    backend = "fake" if device_type == "cpu" else f"cpu:fake,{device_type}:fake"  # the host's collectives too
+    dist.init_process_group(backend, store=store, rank=parallelism.rank, world_size=parallelism.world_size)
     try:
         shape = parallelism.mesh_shape()
         yield init_device_mesh(device_type, shape, mesh_dim_names=MESH_NAMES[len(shape)])

@@ -127,13 +127,20 @@ def _checkpointed(block: nn.Module, checkpointing: str) -> nn.Module:
     return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **options)
 
 
-def _policy(parallelism: Parallelism) -> dict[str, object]:
-    if parallelism.param_dtype is None and parallelism.reduce_dtype is None:
-        return {}
+def _policies(parallelism: Parallelism) -> dict[str, object]:
+    """``fully_shard``'s ``mp_policy`` and ``offload_policy`` for ``parallelism``, where it sets them.
+    The offload is not pinned: pinned or not, the host holds the same bytes."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = MixedPrecisionPolicy(param_dtype=parallelism.param_dtype, reduce_dtype=parallelism.reduce_dtype)
-    return {"mp_policy": policy}
+    options: dict[str, object] = {}
+    if parallelism.param_dtype is not None or parallelism.reduce_dtype is not None:
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=parallelism.param_dtype, reduce_dtype=parallelism.reduce_dtype
+        )
+    if parallelism.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    return options
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, parallelism: Parallelism) -> nn.Module:
@@ -154,10 +161,16 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, parallelism: Parallelism) ->
         blocks = [(parent, name, _checkpointed(block, checkpointing)) for parent, name, block in blocks]
         for parent, name, block in blocks:
             parent.register_module(name, block)
+    if parallelism.cpu_offload and mesh.device_type == "cpu":
+        raise InputError(
+            "cpu_offload moves the sharded state from an accelerator to the host, and on a CPU mesh they are one: "
+            "trace it (trace_rank, largest_batch_size, batchfit estimate/plan), which runs one rank on a fake "
+            "accelerator"
+        )
     if parallelism.sharding in ("fsdp", "hybrid"):
         from torch.distributed.fsdp import fully_shard
 
-        options = _policy(parallelism)
+        options = _policies(parallelism)
         for _, _, block in blocks:
             fully_shard(block, mesh=mesh, **options)
         fully_shard(model, mesh=mesh, **options)
