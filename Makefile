@@ -53,6 +53,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/regimes.py
 	$(BIN)/python benchmarks/sharded_peers.py
 	$(BIN)/python benchmarks/one_rank.py
+	$(BIN)/python benchmarks/offload.py
 
 # Fault injection, bad inputs and endurance (a reduced form runs in `make test`): benchmarks/RELIABILITY.md.
 reliability: $(STAMP)

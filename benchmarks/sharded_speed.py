@@ -66,6 +66,12 @@ def source_at(revision: str, into: Path) -> Path:
     return src
 
 
+def timed_fields(stderr: str) -> dict[str, float]:
+    """Wall and CPU seconds and peak resident KiB from ``/usr/bin/time -v``'s report in ``stderr``."""
+    found = {name: re.search(pattern, stderr).group(1) for name, pattern in TIME_FIELDS.items()}
+    return {name: _seconds(value) if name == "wall" else float(value) for name, value in found.items()}
+
+
 def run_case(case: str, src: Path, workdir: Path) -> dict:
     """One CLI run under ``/usr/bin/time -v``: seconds, memory, and per choice the answer, traces and steps."""
     out = workdir / f"{case}.json"
@@ -76,7 +82,7 @@ def run_case(case: str, src: Path, workdir: Path) -> dict:
     )
     if done.returncode != 0:
         raise SystemExit(f"{case} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    timed = {name: re.search(pattern, done.stderr).group(1) for name, pattern in TIME_FIELDS.items()}
+    timed = timed_fields(done.stderr)
     document = json.loads(out.read_text())
     choices = [
         {
@@ -93,9 +99,9 @@ def run_case(case: str, src: Path, workdir: Path) -> dict:
     ]
     return {
         "command": "batchfit " + CASES[case],
-        "wall_seconds": _seconds(timed["wall"]),
-        "cpu_seconds": round(float(timed["user"]) + float(timed["system"]), 2),
-        "max_rss_mib": round(int(timed["max_rss_kib"]) / 1024),
+        "wall_seconds": timed["wall"],
+        "cpu_seconds": round(timed["user"] + timed["system"], 2),
+        "max_rss_mib": round(timed["max_rss_kib"] / 1024),
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "choices": choices,
     }

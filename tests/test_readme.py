@@ -74,6 +74,12 @@ SKIPPED_COMMANDS: tuple[tuple[str, str], ...] = (
         " --param-dtype bf16 --reduce-dtype fp32",
         f"the plan above in bfloat16: 55 s of CPU, 94 s of wall time; {SHARDED_TEST}",
     ),
+    (
+        "batchfit estimate llama-3-8b --gpu h100-80gb --gpus 8 --seq-len 4096 --param-dtype bf16 --reduce-dtype fp32"
+        " --activation-checkpointing none,selective,full --cpu-offload",
+        "traces Llama-3-8B with CPU offload for three checkpointing choices in a child process: 61 s of CPU"
+        " (benchmarks/OFFLOAD.md); tests/test_cli_sharded.py runs --cpu-offload on a small Llama config",
+    ),
 )
 OTHER_SHELL_LANGUAGES = {"sh", "shell", "zsh", "shell-session", "bash-session"}  # write ```bash or ```console
 
