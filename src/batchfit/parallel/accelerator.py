@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from batchfit.errors import InputError
+
 NAME = "fakegpu"
 _LIBRARIES: list[Any] = []  # torch.library registrations live as long as their Library object
 
@@ -95,6 +97,7 @@ def register() -> torch.device:
     and permanent: call it only in a process of its own, before its first backward (autograd
     sizes its per-device queues then, and a device added later breaks its next backward)."""
     if not is_registered():
+        _check_free()
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
         _setup_privateuseone_for_python_backend(rename=NAME, backend_module=_DeviceModule())
@@ -104,6 +107,24 @@ def register() -> torch.device:
         for name in composite_only_here():
             library.impl(name.removeprefix("aten::"), _never_runs, "PrivateUse1")
     return torch.device(NAME, 0)
+
+
+def _check_free() -> None:
+    """One line if this torch cannot give the fake accelerator PrivateUse1: too old, or the key is
+    taken by an installed backend (an out-of-tree device loaded at import)."""
+    import torch.utils.backend_registration as registration
+
+    if not hasattr(registration, "_setup_privateuseone_for_python_backend"):
+        raise InputError(
+            f"tracing CPU offload needs torch's Python backend registration, which torch {torch.__version__} lacks: "
+            "upgrade torch (2.13 has it) or drop cpu_offload"
+        )
+    taken = torch._C._get_privateuse1_backend_name()
+    if taken != "privateuseone":
+        raise InputError(
+            f"tracing CPU offload runs on torch's PrivateUse1 device, which {taken!r} (an installed backend) holds in "
+            "a new Python process here: trace it where that backend is not installed, or drop cpu_offload"
+        )
 
 
 def composite_only_here() -> list[str]:
