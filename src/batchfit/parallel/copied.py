@@ -193,6 +193,8 @@ class WorkloadSession(RankSession):
     (16, 2, True)
     """
 
+    builds_on_accelerator = False  # the copy is made on the CPU, whatever the process has
+
     def __init__(
         self, workload: Workload, *, parallelism: Parallelism | None = None, steps: int = 2, fake: bool = True
     ):

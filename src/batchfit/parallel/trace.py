@@ -424,6 +424,8 @@ class RankSession:
     (True, 2, 3)
     """
 
+    builds_on_accelerator = True  # a process with the fake accelerator builds the model on it
+
     def __init__(
         self,
         model: ModelSpec,
@@ -457,7 +459,8 @@ class RankSession:
     def __enter__(self) -> RankSession:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        on_accelerator = accelerator.is_registered() and self.fake  # in batchfit's child process, or a benchmark's
+        # in batchfit's child process (or a benchmark's that registered the fake accelerator)
+        on_accelerator = self.builds_on_accelerator and self.fake and accelerator.is_registered()
         if self.parallelism.cpu_offload and not on_accelerator:
             return self._enter_child()
         if on_accelerator:
