@@ -44,8 +44,9 @@ from peer_methods import runs_steps  # noqa: E402
 from peer_methods import ultralytics_style  # noqa: E402
 from peers_report import write_report  # noqa: E402
 
-AUTO, NO_TRACE = "batchfit auto", "batchfit auto, no trace"
+DEFAULT, AUTO, NO_TRACE = "batchfit auto (default)", "batchfit auto, trace first", "batchfit auto, no trace"
 METHODS = [
+    (DEFAULT, batchfit_method("auto", trace="auto")),  # the trace first where a trial is expensive: not here
     (AUTO, batchfit_method("auto", trace=True)),
     (NO_TRACE, batchfit_method("auto")),
     ("batchfit power", batchfit_method("power")),
