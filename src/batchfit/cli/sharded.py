@@ -291,12 +291,21 @@ def _print_sharded(results: list[tuple[Any, Any, Any]], capacity_bytes: int, bat
 
 
 def host_line(estimate: Any) -> str:
-    """With CPU offload: the host memory one rank needs, by part."""
+    """With CPU offload: the host memory one rank needs, by part, and a node of its ranks.
+
+    >>> from batchfit.parallel import Parallelism
+    >>> from batchfit.parallel.trace import ShardedEstimate
+    >>> at = ShardedEstimate(2**30, {"activations": 2**30}, 16, 1, 64, "backward", Parallelism(world_size=16,
+    ...     gpus_per_node=8, cpu_offload=True), host_peak_bytes=3 * 2**30, host_breakdown={"optimizer_state": 3 * 2**30})
+    >>> host_line(at)
+    'Host memory per rank (CPU offload): 3.0 GiB at its peak (optimizer state 3.0 GiB); 24.0 GiB for a node of 8 ranks, pinned by FSDP2 by default.'
+    """
     parts = sorted(estimate.host_breakdown.items(), key=lambda item: -item[1])
     listed = ", ".join(f"{name.replace('_', ' ')} {format_bytes(nbytes)}" for name, nbytes in parts)
+    per_node = estimate.parallelism.gpus_per_node or estimate.world_size
     return (
         f"Host memory per rank (CPU offload): {format_bytes(estimate.host_peak_bytes)} at its peak ({listed}); "
-        "FSDP2 pins it by default."
+        f"{format_bytes(per_node * estimate.host_peak_bytes)} for a node of {per_node} ranks, pinned by FSDP2 by default."
     )
 
 
