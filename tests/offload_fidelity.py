@@ -34,7 +34,11 @@ GQA_LLAMA = {
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 CASES = [
     ("TinyTransformer, 2 ranks, fp32", TinyTransformer, Parallelism(world_size=2)),
-    ("TinyTransformer, 4 ranks, bf16, full", TinyTransformer, Parallelism(world_size=4, activation_checkpointing="full", **BF16)),
+    (
+        "TinyTransformer, 4 ranks, bf16, full",
+        TinyTransformer,
+        Parallelism(world_size=4, activation_checkpointing="full", **BF16),
+    ),
     ("Llama (GQA), 2 ranks, fp32", GQA_LLAMA, Parallelism(world_size=2)),
     ("Llama (GQA), 4 ranks, bf16, full", GQA_LLAMA, Parallelism(world_size=4, activation_checkpointing="full", **BF16)),
 ]
