@@ -108,6 +108,17 @@ def test_cpu_offload_moves_the_sharded_state_to_the_host_and_fits_more_per_rank(
     assert document["largest_batch_size"] > kept["largest_batch_size"]  # 5 against 4: the state left the device
 
 
+def test_a_plan_with_cpu_offload_says_what_the_host_holds(small_llama, tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["--gpu", CAPACITY, "--gpus", "2", "--seq-len", "64", "--activation-checkpointing", "none", "--cpu-offload"]
+    result = invoke("plan", small_llama, *args, "--global-batch-tokens", "1K", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert "Host memory per rank (CPU offload)" in result.output and "for a node of 2 ranks" in result.output
+    assert "gradient shards held" not in result.output  # offloaded: the window's gradients wait on the host
+    (per_rank,) = json.loads(out.read_text())["sharding"]["per_rank"]
+    assert per_rank["breakdown"]["optimizer_state"] == 0 < per_rank["host_breakdown"]["optimizer_state"]
+
+
 @pytest.mark.parametrize(
     ("command", "message"),
     [

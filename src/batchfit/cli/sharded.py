@@ -393,6 +393,8 @@ def measure_per_rank(workload: str, capacity: str, seq_len: int, choices: list[A
             f"{parallelism.activation_checkpointing}: the largest micro-batch per rank is {found[-1][1].batch_size}.",
             highlight=False,
         )
+    if found[0][1].estimate.host_peak_bytes is not None:  # the host holds the same state whatever the choice
+        console.print(host_line(found[0][1].estimate), highlight=False)
     return found
 
 
