@@ -279,7 +279,7 @@ class HostAndDeviceBytes(RankBytes):
     def track(self, value: Any, role: str | None = None) -> None:
         for tensor in plain_tensors(value):
             if tensor.device.type == "cpu":
-                self.host.track(tensor, role)
+                self.host._track_storage(tensor.untyped_storage(), role)
             else:
                 self._track_storage(tensor.untyped_storage(), role)
 
