@@ -149,7 +149,14 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, parallelism: Parallelism) ->
     under FSDP2 (``"fsdp"``/``"hybrid"``), each block ``fully_shard``ed over ``mesh`` and then the
     root. Returns the model (FSDP2 changes its class in place). Checkpointing a model without
     repeated blocks is refused: there is nothing to checkpoint. ``"ddp"`` is not wrapped here
-    (DistributedDataParallel cannot run on fake tensors)."""
+    (DistributedDataParallel cannot run on fake tensors). ``cpu_offload`` adds FSDP2's
+    ``CPUOffloadPolicy``, refused on a CPU mesh (where it would do nothing)."""
+    if parallelism.cpu_offload and mesh.device_type == "cpu":
+        raise InputError(
+            "cpu_offload moves the sharded state from an accelerator to the host, and on a CPU mesh they are one: "
+            "trace it (trace_rank, largest_batch_size, batchfit estimate/plan), which runs one rank on a fake "
+            "accelerator"
+        )
     blocks = repeated_blocks(model)
     checkpointing = parallelism.activation_checkpointing
     if checkpointing != "none":
@@ -161,12 +168,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, parallelism: Parallelism) ->
         blocks = [(parent, name, _checkpointed(block, checkpointing)) for parent, name, block in blocks]
         for parent, name, block in blocks:
             parent.register_module(name, block)
-    if parallelism.cpu_offload and mesh.device_type == "cpu":
-        raise InputError(
-            "cpu_offload moves the sharded state from an accelerator to the host, and on a CPU mesh they are one: "
-            "trace it (trace_rank, largest_batch_size, batchfit estimate/plan), which runs one rank on a fake "
-            "accelerator"
-        )
     if parallelism.sharding in ("fsdp", "hybrid"):
         from torch.distributed.fsdp import fully_shard
 
