@@ -52,6 +52,7 @@ import batchfit as bf
 from batchfit.devices.cleanup import drain_autograd_queue
 from batchfit.search.files import atomic_write_text
 from batchfit.search.prober import Prober
+from batchfit.search.runner import probe_workload
 from batchfit.search.strategies import Grow
 from batchfit.step.batching import tensor_leaves
 
@@ -411,6 +412,7 @@ def walk_to_edge(case: Case, start: int) -> int:
 def run_regime(cases: list[Case], step_seconds: float, edges: dict[str, int]) -> list[dict]:
     rows = []
     for case in cases:
+        warm_case(case)
         for name, method in methods():
             run = method(case, step_seconds)
             rows.append(row_of(case, name, run, edges[case.key], step_seconds))
@@ -483,6 +485,14 @@ def warm_up() -> None:
     costs (imports, Lightning's first fit, dispatch and fake-tensor set-up) in the timed runs."""
     for _, method in methods():
         method(WARM_UP, CHEAP_SECONDS)
+
+
+def warm_case(case: Case) -> None:
+    """One real trial of ``case`` at batch 1 (two steps), unrecorded, before its first method: the
+    model's own first-call costs (its ops' first dispatch, lazy set-up in the model's code) would
+    otherwise fall on whichever method runs first, always ``auto``."""
+    work, device = fresh(case, CHEAP_SECONDS)
+    probe_workload(work, 1, device=device)
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -693,7 +703,9 @@ def report(results: dict, mode: Mode = DEFAULT) -> str:
             + f"; git {env['git']}. The whole run took {results['benchmark_seconds']:.0f} s.",
             "",
             "Every method runs on a fresh workload and a fresh `SimulatedDevice` (real CPU compute, every live "
-            "tensor byte counted against the capacity). **Cheap trials**: the CPU step as it is "
+            "tensor byte counted against the capacity); before a case's first method, one unrecorded real trial "
+            "of it at batch 1 takes the model's first-call costs, which would otherwise fall on whichever method "
+            "runs first. **Cheap trials**: the CPU step as it is "
             f"(`step_seconds={CHEAP_SECONDS:g}`). **Expensive trials**: `SimulatedDevice(capacity, "
             f"step_seconds={EXPENSIVE_SECONDS:g})`, every completed training step also sleeps "
             f"{EXPENSIVE_SECONDS:g} s (batchfit's trials and the peers' steps alike call `device.synchronize()` "
