@@ -79,6 +79,15 @@ def test_an_error_in_the_child_is_raised_here_as_it_was():
         trace_rank(one_block, 1, 8, parallelism=parallelism)
 
 
+def test_a_child_that_dies_is_an_error_here_and_the_session_stops():
+    with RankSession(TinyTransformer, 8, parallelism=OFFLOAD_2) as session:
+        session._child._process.kill()
+        with pytest.raises(RuntimeError, match="ended without an answer"):
+            session.trace(1)
+        with pytest.raises(InputError, match="in a new RankSession"):
+            session.trace(1)
+
+
 def test_a_model_that_does_not_pickle_is_one_line_before_any_child():
     with pytest.raises(InputError, match="must pickle"):
         trace_rank(lambda: TinyTransformer(), 1, 8, parallelism=OFFLOAD_2)
