@@ -108,6 +108,7 @@ def test_cpu_offload_moves_the_sharded_state_to_the_host_and_fits_more_per_rank(
     assert document["largest_batch_size"] > kept["largest_batch_size"]  # 5 against 4: the state left the device
 
 
+@pytest.mark.slow
 def test_a_plan_with_cpu_offload_says_what_the_host_holds(small_llama, tmp_path):
     out = tmp_path / "plan.json"
     args = ["--gpu", CAPACITY, "--gpus", "2", "--seq-len", "64", "--activation-checkpointing", "none", "--cpu-offload"]

@@ -79,6 +79,7 @@ def test_an_error_in_the_child_is_raised_here_as_it_was():
         trace_rank(one_block, 1, 8, parallelism=parallelism)
 
 
+@pytest.mark.slow
 def test_a_child_that_dies_is_an_error_here_and_the_session_stops():
     with RankSession(TinyTransformer, 8, parallelism=OFFLOAD_2) as session:
         session._child._process.kill()
