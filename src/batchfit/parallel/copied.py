@@ -23,10 +23,10 @@ from torch import nn
 
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
-from batchfit.parallel.one_rank import DDP_REFUSAL
 from batchfit.parallel.one_rank import ONE_RANK
 from batchfit.parallel.one_rank import RankBackend
 from batchfit.parallel.one_rank import annotated
+from batchfit.parallel.one_rank import check_real_trials
 from batchfit.parallel.one_rank import one_rank_mode
 from batchfit.parallel.settings import REAL_OFFLOAD_REFUSAL
 from batchfit.parallel.settings import Parallelism
@@ -131,12 +131,7 @@ class ShardedCopy:
     def __post_init__(self) -> None:
         if not isinstance(self.workload, Workload):
             raise InputTypeError(f"one-rank trials shard a batchfit Workload, got {type(self.workload).__name__}")
-        if not isinstance(self.parallelism, Parallelism):
-            raise InputTypeError(f"parallelism must be a batchfit Parallelism, got {type(self.parallelism).__name__}")
-        if self.parallelism.sharding == "ddp":
-            raise InputError(DDP_REFUSAL)
-        if self.parallelism.cpu_offload:
-            raise InputError(REAL_OFFLOAD_REFUSAL)
+        check_real_trials(self.parallelism)
         object.__setattr__(self, "workload", uncompiled(self.workload))  # FSDP2 shards the module itself
 
     @property

@@ -63,6 +63,17 @@ DDP_REFUSAL = (
 )
 
 
+def check_real_trials(parallelism: object) -> None:
+    """One line unless one rank's real trials can run ``parallelism``: a ``Parallelism``, not DDP
+    (its reducer needs real collectives), not CPU offload (host and device are one here)."""
+    if not isinstance(parallelism, Parallelism):
+        raise InputTypeError(f"parallelism must be a batchfit Parallelism, got {type(parallelism).__name__}")
+    if parallelism.sharding == "ddp":
+        raise InputError(DDP_REFUSAL)
+    if parallelism.cpu_offload:
+        raise InputError(REAL_OFFLOAD_REFUSAL)
+
+
 def one_rank_mode(parallelism: Parallelism, traced: bool = False) -> str:
     """What one rank's trials are, in one phrase (for the result, the JSON and the CLI): real, or
     ``traced`` on fake tensors (on a ``TraceDevice``)."""
@@ -91,12 +102,7 @@ class RankWorkload:
     """Run each step as a later micro-batch of an accumulation window: the gradients held throughout."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.parallelism, Parallelism):
-            raise InputTypeError(f"parallelism must be a batchfit Parallelism, got {type(self.parallelism).__name__}")
-        if self.parallelism.sharding == "ddp":
-            raise InputError(DDP_REFUSAL)
-        if self.parallelism.cpu_offload:
-            raise InputError(REAL_OFFLOAD_REFUSAL)
+        check_real_trials(self.parallelism)
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise InputError(f"seq_len must be an integer of at least 1, got {self.seq_len!r}")
 
