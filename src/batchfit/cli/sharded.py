@@ -336,7 +336,7 @@ def _document(
         "breakdown": dict(at.breakdown),
         "world_size": at.world_size,
         "largest_batch_size": found.batch_size,
-        **_host_part(at),
+        **at.host_part(),
         "batch_size": at.batch_size,
         "seq_len": seq_len,
         "workload": {"name": workload, "options": {"seq_len": seq_len}},
@@ -450,20 +450,13 @@ def plan_document(plan: Any, found: list[tuple[Any, Any]], chosen: Any, capacity
                 "largest_batch_size": largest.batch_size,
                 "peak_bytes": largest.estimate.peak_bytes,
                 "breakdown": dict(largest.estimate.breakdown),
-                **_host_part(largest.estimate),
+                **largest.estimate.host_part(),
             }
             for parallelism, largest in found
         ],
         "not_traced": ["NCCL buffers", "the CUDA context beyond the preset's reserve", "allocator fragmentation"],
     }
     return document
-
-
-def _host_part(estimate: Any) -> dict[str, Any]:
-    """With CPU offload, the host's peak and its breakdown; nothing without."""
-    if estimate.host_peak_bytes is None:
-        return {}
-    return {"host_peak_bytes": estimate.host_peak_bytes, "host_breakdown": dict(estimate.host_breakdown)}
 
 
 def with_gradients_held(workload: str, capacity: str, seq_len: int, parallelism: Any, largest: Any) -> int:

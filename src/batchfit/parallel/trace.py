@@ -144,11 +144,14 @@ class ShardedEstimate:
             "step_peaks_bytes": list(self.step_peaks_bytes),
             "state_bytes": dict(self.state_bytes),
             "phase_peaks_bytes": dict(self.phase_peaks_bytes),
-            **({} if self.host_peak_bytes is None else self._host_dict()),
+            **self.host_part(),
             **self.extra,
         }
 
-    def _host_dict(self) -> dict[str, Any]:
+    def host_part(self) -> dict[str, Any]:
+        """With CPU offload, ``host_peak_bytes`` and ``host_breakdown`` (JSON-ready); nothing without."""
+        if self.host_peak_bytes is None:
+            return {}
         return {"host_peak_bytes": self.host_peak_bytes, "host_breakdown": dict(self.host_breakdown)}
 
 
