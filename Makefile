@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint docs bench reliability clean
+.PHONY: install demo test check-install lint docs bench reliability clean
 
 # Some machines set PYTHONDONTWRITEBYTECODE, which would make every process compile the same modules again.
 unexport PYTHONDONTWRITEBYTECODE
@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# torch is pinned to the local CPU wheel first, so the project's `torch>=2.2` installs nothing more. Nothing is
+# torch is pinned to the local CPU wheel first, so the project's `torch>=2.13` installs nothing more. Nothing is
 # compiled at install (--no-compile): the tests import a fraction of torch's and transformers' modules, and Python
 # writes the bytecode of those on first import (PYTHONDONTWRITEBYTECODE is unset below for that reason).
 $(STAMP): pyproject.toml | $(BIN)/python
@@ -30,18 +30,23 @@ demo: $(STAMP)
 # Lint, format and the import contract (tests/test_layout.py) run with the suite: everything CI runs.
 # Two pytest-xdist workers, one per core (the tests' models are tiny: one torch thread each).
 test: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples docs/hooks
-	$(BIN)/ruff format --check src tests benchmarks examples docs/hooks
+	$(BIN)/ruff check src tests benchmarks examples docs/hooks .ci
+	$(BIN)/ruff format --check src tests benchmarks examples docs/hooks .ci
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --quiet --strict --site-dir build/site
 	$(BIN)/python -m pytest -n 2 -m "not slow" src tests
+
+# The package as a user installs it, in a fresh virtual environment: no extras, the lowest versions admitted,
+# then [plot] and [transformers] (about 100 s; CI runs it after `make test`).
+check-install:
+	.ci/check_install
 
 # The documentation site (docs/, mkdocs.yml), every warning an error; make test builds it too.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples docs/hooks
-	$(BIN)/ruff format --check src tests benchmarks examples docs/hooks
+	$(BIN)/ruff check src tests benchmarks examples docs/hooks .ci
+	$(BIN)/ruff format --check src tests benchmarks examples docs/hooks .ci
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/search_strategies.py
@@ -54,6 +59,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/sharded_peers.py
 	$(BIN)/python benchmarks/one_rank.py
 	$(BIN)/python benchmarks/offload.py
+	$(BIN)/python benchmarks/import_time.py
 
 # Fault injection, bad inputs and endurance (a reduced form runs in `make test`): benchmarks/RELIABILITY.md.
 reliability: $(STAMP)

@@ -2,8 +2,8 @@
 
 A command is a line of a ```bash block (backslash-continued lines joined, the comment after ``#``
 dropped), or a line of a ```console block that starts with the prompt ``$ `` (the lines after it
-are its output); ``make ...`` and ``export ...`` lines are the set-up, not batchfit, and are left
-out. A ``VAR=$(batchfit ...)`` line runs its inner command; a leading ``NAME=value`` is an
+are its output); ``make ...``, ``pip install ...`` and ``export ...`` lines are the set-up, not batchfit,
+and are left out (``.ci/check_install`` checks the install as a user makes it). A ``VAR=$(batchfit ...)`` line runs its inner command; a leading ``NAME=value`` is an
 environment setting of that command. A snippet is a whole ```python block.
 """
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = (REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")))  # whose commands and snippets run
 SHELL_LANGUAGES = ("bash", "console")  # the fenced blocks whose commands run
 PROMPT = "$ "  # a ```console line starting with it is a command, the others its output
-SET_UP = ("make ", "export ")  # the README's own set-up lines: not batchfit commands
+SET_UP = ("make ", "pip install ", "export ")  # the README's own set-up lines: not batchfit commands
 CAPTURE = re.compile(r"^\w+=\$\((?P<inner>.*)\)\s*(#.*)?$")  # BS=$(batchfit find ... --quiet)
 ASSIGNMENT = re.compile(r"^(?P<name>[A-Z_][A-Z0-9_]*)=(?P<value>\S*)$")
 

@@ -31,7 +31,17 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"step", "devices", "search", "runtime", "planning", "sweep", "parallel", "integrations"},
     "__init__": {"step", "devices", "search", "runtime", "planning", "sweep", "parallel"},
 }
-HEAVY = ["rich", "matplotlib", "lightning", "transformers", "mlx", "typer", "batchfit.cli", "batchfit.cli.examples"]
+HEAVY = [
+    "sympy",
+    "rich",
+    "matplotlib",
+    "lightning",
+    "transformers",
+    "mlx",
+    "typer",
+    "batchfit.cli",
+    "batchfit.cli.examples",
+]
 PUBLIC = [
     "ACCELERATORS",
     "AnalyticEstimate",

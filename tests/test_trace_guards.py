@@ -21,6 +21,7 @@ from batchfit.devices.trace import UNDERCOUNTING_OPS
 from batchfit.devices.trace import TraceDevice
 from batchfit.devices.trace import is_users_error
 from batchfit.devices.trace import lstm_workspace_bytes
+from batchfit.devices.trace_errors import tracing
 from batchfit.errors import TraceError
 from test_state import _assert_same
 from test_state import _fingerprint
@@ -319,3 +320,22 @@ def test_an_error_raised_in_batchfits_trace_is_never_the_users():
     assert not is_users_error(raise_in("/site-packages/torch/_subclasses/fake_tensor.py"))
     assert is_users_error(raise_in("/home/user/train.py"))
     assert not is_users_error(RuntimeError("boom")) and not is_users_error(TraceError("no fake kernel"))
+
+
+def test_a_data_dependent_guard_is_the_traces_once_symbolic_shapes_are_loaded():
+    """``import batchfit`` leaves symbolic shapes (and sympy) unloaded; the guard error they raise still counts
+    as the trace's, also when the user's code re-raises it as a ValueError."""
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    guard = GuardOnDataDependentSymNode(sympy.Symbol("u0"), "Could not guard on data-dependent expression u0 > 0")
+    try:
+        try:
+            raise guard
+        except RuntimeError as error:
+            exec(compile("raise ValueError('bad shape')", "/home/user/train.py", "exec"))
+            raise AssertionError("nothing raised") from error
+    except ValueError as reraised:
+        assert not is_users_error(reraised)
+    with pytest.raises(TraceError, match="GuardOnDataDependentSymNode: Could not guard"), tracing():
+        raise guard

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Annotated
 from typing import Any
 
-import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -35,6 +34,10 @@ errors = Console(stderr=True)
 # What the user can fix: bad input (every one batchfit raises on purpose is an InputError), an answer that
 # does not exist (nothing fits), and a path that cannot be read or written. Anything else is a bug.
 USER_ERRORS = (InputError, NoBatchFitsError, OSError)
+# typer's exits and usage errors pass through as they are. Recent typer carries its own copy of click and
+# older ones re-export click's classes: the usage errors' base class is read off typer's, never imported.
+USAGE_ERROR = next(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "ClickException")
+TYPER_EXITS = (typer.Exit, typer.Abort, USAGE_ERROR)
 REPORT_REQUEST = (
     "batchfit stopped on an error it did not expect. If the traceback above ends in your own code (the "
     "workload, the model, the loss), the fix is there; otherwise it is a bug in batchfit: please report it "
@@ -124,14 +127,8 @@ def cli_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
-        except (
-            typer.Exit,
-            typer.Abort,
-            click.exceptions.Exit,
-            click.exceptions.ClickException,
-            click.exceptions.Abort,
-        ):
-            raise  # typer's and click's own exits and usage errors
+        except TYPER_EXITS:
+            raise  # typer's own exits and usage errors
         except USER_ERRORS as error:
             if kwargs.get("debug"):
                 raise

@@ -1,5 +1,5 @@
 """What stops a trace, and whose it is: the errors fake tensors raise for what they cannot do
-(``FAKE_TENSOR_ERRORS``) and the source files only fake tensors or batchfit's trace run through,
+(``fake_tensor_errors()``) and the source files only fake tensors or batchfit's trace run through,
 sorted from the user's own ``ValueError``/``TypeError`` (``is_users_error``, raised unchanged: the
 real device would raise it too); ``trace_error`` and ``tracing`` turn the rest into a one-line
 ``TraceError`` that says to fall back to real probing.
@@ -8,11 +8,11 @@ real device would raise it too); ``trace_error`` and ``tracing`` turn the rest i
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 from torch._subclasses import fake_tensor
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from batchfit.errors import NoBatchFitsError
 from batchfit.errors import TraceError
@@ -23,8 +23,20 @@ FAKE_TENSOR_ERRORS = (
     fake_tensor.DynamicOutputShapeException,  # torch.nonzero, masked indexing, torch.unique, ...
     fake_tensor.UnsupportedOperatorException,  # an op without a fake kernel
     fake_tensor.UnsupportedFakeTensorException,
-    GuardOnDataDependentSymNode,
 )
+# Symbolic shapes' guard error joins them once torch has imported that module (only then can it be raised):
+# importing it here would load sympy with ``import batchfit``, 1.6 s for one exception class.
+SYMBOLIC_SHAPES = "torch.fx.experimental.symbolic_shapes"
+
+
+def fake_tensor_errors() -> tuple[type[BaseException], ...]:
+    """What fake tensors raise for what they cannot do, ``GuardOnDataDependentSymNode`` included where
+    symbolic shapes are loaded."""
+    shapes = sys.modules.get(SYMBOLIC_SHAPES)
+    guard = getattr(shapes, "GuardOnDataDependentSymNode", None)
+    return FAKE_TENSOR_ERRORS if guard is None else (*FAKE_TENSOR_ERRORS, guard)
+
+
 # Source files only fake tensors run through: an error raised in them is the trace's.
 FAKE_TENSOR_SOURCES = (
     "torch/_subclasses/",
@@ -58,7 +70,7 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
 
 def _raised_by_fakes(error: BaseException) -> bool:
     """Whether ``error`` comes from fake tensors or from batchfit's trace, not from the user's code."""
-    if isinstance(error, (TraceError, *FAKE_TENSOR_ERRORS)):
+    if isinstance(error, (TraceError, *fake_tensor_errors())):
         return True
     message = str(error).lower()
     if "faketensor" in message or "fake tensor" in message:  # e.g. f"{loss:.3f}" on a fake scalar
@@ -80,7 +92,7 @@ def is_users_error(error: BaseException) -> bool:
     """Whether ``error``, raised while a step ran on fake tensors, is the user's own mistake: a
     ``ValueError``/``TypeError`` their model, loss or step raised, which the real device would
     raise too. Not the user's: a ``TraceError``, what fake tensors raise (data-dependent
-    values or shapes, ops without a fake kernel, see ``FAKE_TENSOR_ERRORS``) or an error raised
+    values or shapes, ops without a fake kernel, see ``fake_tensor_errors()``) or an error raised
     inside torch's fake-tensor code or batchfit's trace, also when the user's code re-raised it.
 
     >>> is_users_error(ValueError("bad targets")), is_users_error(TraceError("no fake kernel"))

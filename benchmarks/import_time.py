@@ -1,0 +1,104 @@
+"""Benchmark: what ``import batchfit`` costs beyond torch, warm and cold, for one or more source trees.
+
+Each run is a fresh interpreter that imports torch, then times ``import batchfit`` alone and says whether sympy
+came with it. *Warm*: the bytecode caches exist (the median of ``WARM_RUNS``). *Cold*: a fresh, empty
+``PYTHONPYCACHEPREFIX``, so every module is compiled on the way, as on the first import after
+``pip install --no-compile`` (the median of ``COLD_RUNS``; torch compiles too, but only batchfit's import is
+timed).
+
+    python benchmarks/import_time.py                          # this tree
+    python benchmarks/import_time.py before=/tmp/old/src after=src   # label=src-folder, in that order
+
+Writes benchmarks/IMPORT.md.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from batchfit.search.files import atomic_write_text
+
+HERE = Path(__file__).parent
+WARM_RUNS = 7
+COLD_RUNS = 3
+PROBE = (
+    "import sys, time, torch\n"
+    "start = time.perf_counter()\n"
+    "import batchfit\n"
+    "seconds = time.perf_counter() - start\n"
+    "print(seconds, 'sympy' in sys.modules, len([m for m in sys.modules if m.startswith('batchfit')]))\n"
+)
+
+
+def one_run(src: Path, pycache: str | None) -> tuple[float, bool, int]:
+    """One interpreter: the seconds of ``import batchfit`` after torch, whether sympy loaded, batchfit's modules."""
+    env = {**os.environ, "PYTHONPATH": str(src.resolve())}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if pycache is not None:
+        env["PYTHONPYCACHEPREFIX"] = pycache
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
+    seconds, sympy, modules = out.stdout.split()
+    return float(seconds), sympy == "True", int(modules)
+
+
+def measure(src: Path) -> dict[str, object]:
+    one_run(src, None)  # writes the bytecode the warm runs read
+    warm = [one_run(src, None) for _ in range(WARM_RUNS)]
+    cold = []
+    for _ in range(COLD_RUNS):
+        with tempfile.TemporaryDirectory() as empty:
+            cold.append(one_run(src, empty))
+    return {
+        "warm_s": statistics.median(run[0] for run in warm),
+        "cold_s": statistics.median(run[0] for run in cold),
+        "sympy": warm[0][1],
+        "modules": warm[0][2],
+    }
+
+
+def table(rows: dict[str, dict[str, object]]) -> str:
+    lines = [
+        f"| tree | `import batchfit` after torch, warm (median of {WARM_RUNS}) | cold (median of {COLD_RUNS}) | loads sympy | batchfit modules |",
+        "|---|---|---|---|---|",
+    ]
+    for label, row in rows.items():
+        lines.append(
+            f"| {label} | {row['warm_s']:.3f} s | {row['cold_s']:.2f} s | {'yes' if row['sympy'] else 'no'} | {row['modules']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    trees = dict(arg.split("=", 1) for arg in argv) if argv else {"this tree": str(HERE.parent / "src")}
+    started = time.time()
+    rows = {label: measure(Path(src)) for label, src in trees.items()}
+    text = f"""# `import batchfit`: what it costs beyond torch
+
+Written by `python benchmarks/import_time.py` on {time.strftime("%Y-%m-%d")} ({time.time() - started:.0f} s), on a
+shared two-core {platform.machine()} machine, Python {platform.python_version()}, torch {torch.__version__}.
+Each run is a fresh interpreter that imports torch and then times `import batchfit` alone. *Warm*: bytecode
+caches present. *Cold*: an empty `PYTHONPYCACHEPREFIX`, every module compiled on the way (the first import
+after `pip install --no-compile`).
+
+{table(rows)}
+
+What made the difference: one exception class, `GuardOnDataDependentSymNode`, imported at module level from
+`torch.fx.experimental.symbolic_shapes`, loaded sympy (about 470 modules) with `import batchfit`. The trace now
+reads that class from `sys.modules` when it sorts an error: it can only have been raised once torch loaded the
+module. `tests/test_layout.py` keeps sympy, rich, typer and the optional extras out of `import batchfit`.
+"""
+    atomic_write_text(HERE / "IMPORT.md", text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
