@@ -143,7 +143,7 @@ def test_garbage_collection_frees_the_oldest_cached_segments_under_a_memory_frac
 def test_expandable_segments_unmap_a_holes_pages_and_grow_at_the_end():
     allocator = CachingAllocator(120 * MIB, EXPANDABLE)
     allocator.free(allocator.malloc(80 * MIB))
-    a, b, c = (allocator.malloc(n * MIB) for n in (20, 40, 20))
+    _, b, c = (allocator.malloc(n * MIB) for n in (20, 40, 20))
     allocator.free(b)
     block = allocator.malloc(48 * MIB)
     assert block is not None and block.ptr > c.ptr  # mapped after c, the hole's two pages unmapped
@@ -175,7 +175,9 @@ def test_a_copy_is_independent_and_behaves_the_same():
 
 
 def test_settings_parse_as_torch_parses_them():
-    parsed = AllocatorSettings.parse(" expandable_segments : True , max_split_size_mb:128,garbage_collection_threshold:0.6")
+    parsed = AllocatorSettings.parse(
+        " expandable_segments : True , max_split_size_mb:128,garbage_collection_threshold:0.6"
+    )
     assert parsed.expandable_segments and parsed.max_split_size_bytes == 128 * MIB
     assert parsed.garbage_collection_threshold == 0.6
     listed = AllocatorSettings.parse("roundup_power2_divisions:[64:8,256:4,>:2]")
@@ -236,13 +238,13 @@ def check_invariants(allocator: CachingAllocator) -> None:
     assert allocator.stats.allocated_bytes <= allocator.stats.reserved_bytes <= allocator.capacity_bytes
 
 
-requests = st.lists(
-    st.tuples(st.booleans(), st.integers(1, 40 * MIB), st.integers(0, 1000)), min_size=1, max_size=80
-)
+requests = st.lists(st.tuples(st.booleans(), st.integers(1, 40 * MIB), st.integers(0, 1000)), min_size=1, max_size=80)
 
 
 @settings(max_examples=60, deadline=None)
-@given(requests, st.sampled_from(["", "expandable_segments:True", "max_split_size_mb:20", "roundup_power2_divisions:4"]))
+@given(
+    requests, st.sampled_from(["", "expandable_segments:True", "max_split_size_mb:20", "roundup_power2_divisions:4"])
+)
 def test_random_sequences_keep_every_invariant(steps, conf):
     allocator = CachingAllocator(160 * MIB, AllocatorSettings.parse(conf))
     live = []

@@ -135,8 +135,10 @@ def _apply(values: dict[str, object], key: str, value: str) -> None:
     elif key == "per_process_memory_fraction":
         values["per_process_memory_fraction"] = _fraction(key, value, open_interval=False)
     elif key not in IGNORED_KEYS:
-        raise InputError(f"unknown allocator setting {key!r}: torch reads expandable_segments, max_split_size_mb, "
-                         "roundup_power2_divisions, garbage_collection_threshold and per_process_memory_fraction")
+        raise InputError(
+            f"unknown allocator setting {key!r}: torch reads expandable_segments, max_split_size_mb, "
+            "roundup_power2_divisions, garbage_collection_threshold and per_process_memory_fraction"
+        )
 
 
 def _bool(key: str, value: str) -> bool:
