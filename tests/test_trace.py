@@ -20,6 +20,7 @@ from batchfit.cli.examples import cnn_small
 from batchfit.cli.examples import gpt_tiny
 from batchfit.cli.examples import mlp
 from batchfit.devices.accounting import LiveBytes
+from batchfit.devices.caching_allocator import CachingAllocator
 from batchfit.devices.presets import ACCELERATORS
 from batchfit.devices.presets import CUDA_RESERVE_BYTES
 from batchfit.devices.presets import preset
@@ -306,12 +307,17 @@ def test_presets_subtract_the_cuda_context_reserve():
         preset("a200")
 
 
-def test_reserved_memory_rounds_large_blocks_to_2mib_segments():
-    counter = LiveBytes(rounding_bytes=512, large_rounding_bytes=2 * 2**20)
+def test_a_counter_with_a_caching_allocator_reserves_its_segments():
+    mib = 2**20
+    counter = LiveBytes(rounding_bytes=512, limit_bytes=64 * mib, allocator=CachingAllocator(64 * mib))
     with counter.mode():
-        small, large = torch.empty(1000, dtype=torch.uint8), torch.empty(3 * 2**20, dtype=torch.uint8)
-        assert counter.live_bytes == 1024 + 4 * 2**20
+        small, large = torch.empty(1000, dtype=torch.uint8), torch.empty(3 * mib, dtype=torch.uint8)
+        assert counter.live_bytes == 1024 + 3 * mib
+        assert counter.reserved_bytes == 2 * mib + 20 * mib  # a small segment, a 20 MiB large one
         del small, large
+    assert counter.live_bytes == 0 and counter.reserved_bytes == 22 * mib  # cached
+    counter.empty_cache()
+    assert counter.reserved_bytes == 0 and counter.peak_reserved_bytes == 22 * mib
 
 
 def _linear_and_batch():
@@ -351,13 +357,16 @@ def test_estimate_memory_measures_past_the_capacity_and_leaves_the_device_alone(
     assert device.peak_bytes() == 0 and device.counter.ledger is None  # traced on a fresh device
 
 
-def test_estimate_memory_keeps_the_trace_devices_reserved_rounding():
+def test_estimate_memory_keeps_the_trace_devices_allocator():
     model, batch, optimizer = _linear_and_batch()
-    plain, reserved = (
+    plain, modelled, old_name = (
         bf.estimate_memory(model, batch, 5000, loss_fn=F.mse_loss, optimizer=optimizer, device=device)
-        for device in (TraceDevice("1GiB"), TraceDevice("1GiB", reserved=True))
+        for device in (TraceDevice("1GiB"), TraceDevice("1GiB", allocator="cuda"), TraceDevice("1GiB", reserved=True))
     )
-    assert reserved.peak_bytes > plain.peak_bytes  # 1 MiB+ storages rounded to 2 MiB segments
+    assert (plain.allocator, plain.reserved_peak_bytes, plain.served) == ("exact", None, None)
+    assert modelled.allocator == "cuda" and modelled.served is True and modelled.fits is True
+    assert modelled.peak_bytes == plain.peak_bytes < modelled.reserved_peak_bytes  # whole segments reserved
+    assert old_name.to_dict() == modelled.to_dict()
 
 
 def test_estimate_memory_capacity_is_deprecated_for_device():

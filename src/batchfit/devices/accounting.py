@@ -13,6 +13,10 @@ Two things sharded training (FSDP2) does that no dispatch mode sees as memory ar
   op: while a mode is active ``resize_`` is watched (and restored on the way out, also after an
   error), so a storage counts at its size after each resize, from the resize on.
 
+With a caching allocator (``batchfit.devices.caching_allocator``), every storage counted is also a request to
+it and every storage freed a free: a step fits when the allocator serves every request within the capacity, as
+on a GPU, not when the live bytes fit; the reserved bytes and their peak are the allocator's.
+
 A sharded model's step cannot stop half-way: the other ranks would wait in its next collective
 (or join the wrong one), and FSDP2 would keep its parameters gathered. A counter holding DTensor
 shards therefore lets the step run past the limit to the end of the ``mode()`` block and raises
@@ -35,13 +39,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from batchfit.devices.caching_allocator import Block
+from batchfit.devices.caching_allocator import CachingAllocator
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 
 # The simulated OOM message carries the CPU allocator's wording so that tools matching OOMs by
 # message (Lightning, accelerate) recognise it as well.
 PEER_OOM_WORDING = "DefaultCPUAllocator: can't allocate memory"
-LARGE_BLOCK_OVER_BYTES = 2**20  # storages over 1 MiB are rounded to ``large_rounding_bytes``
 
 
 def local_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -108,8 +113,9 @@ class Ledger:
 class LiveBytes:
     """Counts the bytes of live storages and raises ``torch.OutOfMemoryError`` past ``limit_bytes``.
 
-    ``rounding_bytes`` rounds every storage up like the CUDA caching allocator (512-byte blocks);
-    ``large_rounding_bytes`` rounds storages over 1 MiB to a coarser block (2 MiB segments).
+    ``rounding_bytes`` rounds every storage up like the CUDA caching allocator (512-byte blocks). With an
+    ``allocator`` (a ``CachingAllocator`` whose capacity is the limit), the out-of-memory error comes where it
+    cannot serve a request, and ``reserved_bytes`` and ``peak_reserved_bytes`` are its own.
     """
 
     def __init__(
@@ -118,13 +124,15 @@ class LiveBytes:
         limit_bytes: int | None = None,
         rounding_bytes: int = 1,
         name: str = "device",
-        large_rounding_bytes: int | None = None,
+        allocator: CachingAllocator | None = None,
     ):
         if rounding_bytes < 1:
             raise InputError(f"rounding_bytes must be at least 1, got {rounding_bytes}")
         self.limit_bytes = limit_bytes
         self.rounding_bytes = rounding_bytes
-        self.large_rounding_bytes = large_rounding_bytes
+        self.allocator = allocator
+        self.allocator_at_start: CachingAllocator | None = None  # its state when the last mode() began
+        self.unserved_bytes: int | None = None  # a request the allocator could not serve, until it is raised
         self.name = name
         self.live_bytes = 0
         self.exact_live_bytes = 0  # without rounding: exactly linear in the batch size
@@ -132,7 +140,8 @@ class LiveBytes:
         self.timeline: list[int] = []
         self.exact_timeline: list[int] = []
         self.ledger: Ledger | None = None
-        self._refs: dict[int, tuple[weakref.ref, int, int]] = {}  # storage key -> (ref, bytes, exact bytes)
+        # storage key -> (ref, bytes, exact bytes, the allocator's block or None)
+        self._refs: dict[int, tuple[weakref.ref, int, int, Block | None]] = {}
         self.uncounted: frozenset[int] = frozenset()  # storage keys never counted while a mode is active
         # A process group's worker thread (gloo) may drop the last reference to a buffer: such a
         # release is queued, and settled by the counting thread before it next counts, so two
@@ -147,13 +156,11 @@ class LiveBytes:
         self._born: list[int] = []
         self._freed: list[int] = []
         self._made_nbytes: list[int] = []
+        self._events: list[int] = []  # index + 1 when a logged storage is made, -(index + 1) when it is freed
         self._open: dict[int, int] = {}  # storage key -> its index in the lists, while it lives
 
     def _rounded(self, nbytes: int) -> int:
-        block = self.rounding_bytes
-        if self.large_rounding_bytes is not None and nbytes > LARGE_BLOCK_OVER_BYTES:
-            block = self.large_rounding_bytes
-        return -(-nbytes // block) * block
+        return -(-nbytes // self.rounding_bytes) * self.rounding_bytes
 
     def _released(self, key: int, ref: weakref.ref) -> None:
         """The storage ``key`` (its weak reference ``ref``) was freed, maybe on another thread."""
@@ -176,8 +183,11 @@ class LiveBytes:
         index = self._open.pop(key, None)
         if index is not None:
             self._freed[index] = len(self.timeline)
+            self._events.append(-(index + 1))
         self.live_bytes -= entry[1]
         self.exact_live_bytes -= entry[2]
+        if entry[3] is not None:
+            self.allocator.free(entry[3])
 
     def track(self, tensor: Any) -> int:
         """Count ``tensor``'s storage if it is not counted yet (a wrapper subclass such as a
@@ -218,9 +228,15 @@ class LiveBytes:
         if exact_nbytes == 0:
             return 0
         nbytes = self._rounded(exact_nbytes)
+        block = None
+        if self.allocator is not None:
+            block = self.allocator.malloc(exact_nbytes)
+            if block is None and self.unserved_bytes is None:
+                self.unserved_bytes = exact_nbytes
         ref = weakref.ref(storage, lambda dead, k=key: self._released(k, dead))
-        self._refs[key] = (ref, nbytes, exact_nbytes)
+        self._refs[key] = (ref, nbytes, exact_nbytes, block)
         self._open[key] = len(self._born)
+        self._events.append(len(self._born) + 1)
         self._born.append(len(self.timeline))
         self._freed.append(-1)
         self._made_nbytes.append(exact_nbytes)
@@ -262,6 +278,11 @@ class LiveBytes:
         for tensor in tensors:
             self.track(tensor)
 
+    def event_log(self) -> np.ndarray:
+        """The order storages were made and freed since ``mode()`` began: ``i + 1`` when the storage ``i`` of
+        ``storage_log`` was made, ``-(i + 1)`` when it was freed (what the allocator saw, in order)."""
+        return np.array(self._events, dtype=np.int64)
+
     def storage_log(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every storage counted since ``mode()`` began: the index of the first ``timeline`` entry
         that counts it, of the first that no longer does (the timeline's length if it still
@@ -276,23 +297,55 @@ class LiveBytes:
 
     def rounded(self, sizes: np.ndarray) -> np.ndarray:
         """``sizes`` (bytes) rounded up to the blocks this counter counts them in."""
-        block = np.full_like(sizes, self.rounding_bytes)
-        if self.large_rounding_bytes is not None:
-            block = np.where(sizes > LARGE_BLOCK_OVER_BYTES, self.large_rounding_bytes, block)
-        return -(-sizes // block) * block
+        return -(-sizes // self.rounding_bytes) * self.rounding_bytes
 
     def over_limit(self) -> bool:
+        """Past the limit: a request the allocator could not serve, or (counting exactly) more live bytes."""
+        if self.allocator is not None:
+            return self.unserved_bytes is not None
         return self.limit_bytes is not None and self.live_bytes > self.limit_bytes
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        """What the allocator holds from the device (``None``: no allocator, bytes counted exactly)."""
+        return self.allocator.stats.reserved_bytes if self.allocator is not None else None
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        return self.allocator.stats.peak_reserved_bytes if self.allocator is not None else None
+
+    def empty_cache(self) -> None:
+        """Give the allocator's cached blocks back (``torch.cuda.empty_cache``); nothing when counting exactly."""
+        if self.allocator is not None:
+            self.allocator.empty_cache()
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
+        if self.allocator is not None:
+            self.allocator.reset_peak()
 
     def oom_message(self, nbytes: int) -> str:
+        """The out-of-memory error's message; clears the request the allocator could not serve."""
+        if self.allocator is not None and self.unserved_bytes is not None:
+            return self._allocator_oom_message()
         return (
             f"{self.name} out of memory: tried to allocate {format_bytes(nbytes)} with "
             f"{format_bytes(self.live_bytes - nbytes)} live of {format_bytes(self.limit_bytes)} "
             f"({self.live_bytes} bytes requested in all, limit {self.limit_bytes} bytes). "
             f"Simulated; worded like the CPU allocator for other tools: {PEER_OOM_WORDING}."
+        )
+
+    def _allocator_oom_message(self) -> str:
+        """Worded as CUDA's caching allocator words it, so that what matches its message matches this one."""
+        requested, self.unserved_bytes = self.unserved_bytes, None
+        stats = self.allocator.stats
+        return (
+            f"{self.name} out of memory (CUDA out of memory, simulated): tried to allocate {format_bytes(requested)}; "
+            f"{format_bytes(stats.allocated_bytes)} allocated, "
+            f"{format_bytes(stats.reserved_bytes - stats.allocated_bytes)} reserved but unallocated, "
+            f"{format_bytes(self.allocator.free_bytes())} free of {format_bytes(self.allocator.capacity_bytes)}. "
+            "If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+            f"to avoid fragmentation. Worded like the CPU allocator for other tools: {PEER_OOM_WORDING}."
         )
 
     def mode(self, uncounted: Iterable[Any] = ()) -> TorchDispatchMode:
@@ -303,6 +356,8 @@ class LiveBytes:
         self.exact_timeline = []
         self._restart_log()
         self._thread = threading.get_ident()
+        self.unserved_bytes = None
+        self.allocator_at_start = self.allocator.copy() if self.allocator is not None else None
         return _CountingMode(self, frozenset(self.keys_of(uncounted)))
 
 

@@ -195,3 +195,46 @@ def _divisions(value: str) -> tuple[int, ...]:
         slots[index] = count
         last = index
     return tuple(slots)
+
+
+ALLOCATOR_KINDS = ("exact", "cuda", "cuda-expandable")
+ALLOCATOR_HELP = (
+    "'exact' (every live byte counted against the capacity), 'cuda' (the CUDA caching allocator, with this "
+    "process's PYTORCH_CUDA_ALLOC_CONF), 'cuda-expandable' (the same with expandable_segments:True) or an "
+    "AllocatorSettings"
+)
+
+
+def resolve_allocator(spec: str | AllocatorSettings | None) -> AllocatorSettings | None:
+    """The settings of the allocator a simulated device models, ``None`` for exact counting.
+
+    >>> resolve_allocator("exact") is None, resolve_allocator(AllocatorSettings()) == AllocatorSettings()
+    (True, True)
+    """
+    if spec is None or isinstance(spec, AllocatorSettings):
+        return spec
+    if not isinstance(spec, str):
+        raise InputError(f"allocator must be {ALLOCATOR_HELP}, got {type(spec).__name__}")
+    kind = spec.strip().lower()
+    if kind == "exact":
+        return None
+    if kind == "cuda":
+        return AllocatorSettings.from_process()
+    if kind == "cuda-expandable":
+        return AllocatorSettings.from_process().with_expandable_segments()
+    raise InputError(f"unknown allocator {spec!r}: use {ALLOCATOR_HELP}")
+
+
+def allocator_label(settings: AllocatorSettings | None) -> str:
+    """A short name for device names and reports: ``exact``, ``cuda``, ``cuda-expandable`` or ``cuda(SETTINGS)``.
+
+    >>> allocator_label(None), allocator_label(AllocatorSettings(expandable_segments=True))
+    ('exact', 'cuda-expandable')
+    """
+    if settings is None:
+        return "exact"
+    if settings == AllocatorSettings():
+        return "cuda"
+    if settings == AllocatorSettings(expandable_segments=True):
+        return "cuda-expandable"
+    return f"cuda({settings.to_conf()})"

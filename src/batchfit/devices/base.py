@@ -19,7 +19,10 @@ from batchfit.step.compiled import uncompiled
 class Device(Protocol):
     """What the search needs from a device.
 
-    ``measuring()`` is active while a trial runs; peaks are absolute bytes (model included).
+    ``measuring()`` is active while a trial runs; peaks are absolute bytes (model included), of the
+    tensors alive (what ``torch.cuda.max_memory_allocated`` reports); a device with a caching allocator
+    (real, or modelled) may also give ``reserved_peak_bytes()``, what the allocator held from the device,
+    and says its ``allocator_settings`` (``None``: none, or counted exactly).
     ``timeline()`` gives the live bytes after each op of the last ``measuring()`` block, or
     ``None`` where the device cannot record it; ``exact_timeline()`` the same before allocator
     rounding, where the device knows it. ``cleanup()`` frees what a trial left behind (young
@@ -53,6 +56,7 @@ class CountingDevice:
     """Shared base for devices whose memory is read by live-bytes accounting (CPU, MPS, simulated)."""
 
     simulated = False
+    allocator_settings = None  # a simulated device's modelled caching allocator, if any
 
     def __init__(self, name: str, torch_device: torch.device, counter) -> None:
         self.name = name
@@ -67,6 +71,10 @@ class CountingDevice:
 
     def peak_bytes(self) -> int:
         return self.counter.peak_bytes
+
+    def reserved_peak_bytes(self) -> int | None:
+        """The modelled caching allocator's reserved peak since ``reset_peak`` (``None`` without one)."""
+        return self.counter.peak_reserved_bytes
 
     @contextlib.contextmanager
     def measuring(self, uncounted: Iterable[torch.Tensor] = ()) -> Iterator[None]:
@@ -94,6 +102,7 @@ class CountingDevice:
 
     def cleanup(self) -> None:
         gc.collect(1)
+        self.counter.empty_cache()  # a modelled caching allocator's, as a GPU's cleanup empties its cache
 
     def collect(self) -> None:
         gc.collect()

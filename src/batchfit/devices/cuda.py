@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from batchfit.devices.allocator_settings import AllocatorSettings
 from batchfit.step.compiled import is_compiled
 
 
@@ -32,7 +33,8 @@ class CudaDevice:
     """Probe on a CUDA device; memory from the caching allocator's statistics.
 
     Capacity is what this process can still use: the driver's free memory plus what the
-    allocator already holds in its cache. With ``record_timeline`` (default) the live bytes are
+    allocator already holds in its cache. Trials report the allocator's reserved peak beside the
+    allocated one, and every trial starts from an emptied cache (``cleanup``). With ``record_timeline`` (default) the live bytes are
     read after every op, which lets the memory model see each op's line. A compiled model is
     probed compiled, so without the timeline: ``for_workload`` gives the device its trials use.
     """
@@ -58,6 +60,15 @@ class CudaDevice:
 
     def peak_bytes(self) -> int:
         return torch.cuda.max_memory_allocated(self.torch_device)
+
+    def reserved_peak_bytes(self) -> int:
+        """What the caching allocator held from the GPU at most since ``reset_peak``: the edge is here."""
+        return torch.cuda.max_memory_reserved(self.torch_device)
+
+    @property
+    def allocator_settings(self) -> AllocatorSettings:
+        """The caching allocator's settings in this process (``PYTORCH_CUDA_ALLOC_CONF``, as torch parsed it)."""
+        return AllocatorSettings.from_process()
 
     def measuring(self, uncounted: Iterable[torch.Tensor] = ()) -> contextlib.AbstractContextManager:
         """The allocator counts what is on this GPU; ``uncounted`` (host data) never is."""

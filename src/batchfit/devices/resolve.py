@@ -12,7 +12,10 @@ from batchfit.devices.simulated import SimulatedDevice
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
 
-DEVICE_HELP = "use 'auto', 'cpu', 'cuda', 'cuda:N', 'mps', 'sim:CAPACITY' (e.g. 'sim:8GiB') or a batchfit Device"
+DEVICE_HELP = (
+    "use 'auto', 'cpu', 'cuda', 'cuda:N', 'mps', 'sim:CAPACITY' (e.g. 'sim:8GiB'; 'sim:8GiB:cuda' models the CUDA "
+    "caching allocator, 'sim:8GiB:cuda-expandable' with expandable segments) or a batchfit Device"
+)
 DEFAULT_SIMULATED_CAPACITY = "256MiB"  # small enough that a demo on two CPU cores takes seconds
 
 
@@ -50,12 +53,13 @@ def from_torch_device(device: torch.device) -> Device:
 
 
 def from_string(spec: str) -> Device:
-    """Parse ``"auto"``, ``"cpu"``, ``"cuda:0"``, ``"mps"`` or ``"sim:8GiB"``."""
+    """Parse ``"auto"``, ``"cpu"``, ``"cuda:0"``, ``"mps"``, ``"sim:8GiB"`` or ``"sim:8GiB:cuda"``."""
     text = spec.strip()
     if text.lower() == "auto":
         return auto_device()
     if text.lower().startswith("sim:"):
-        return SimulatedDevice(text[4:])
+        capacity, _, allocator = text[4:].partition(":")
+        return SimulatedDevice(capacity, allocator=allocator or "exact")
     try:
         device = torch.device(text)
     except RuntimeError:

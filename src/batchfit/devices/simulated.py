@@ -9,7 +9,11 @@ import torch
 
 from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.accounting import local_tensors
+from batchfit.devices.allocator_settings import AllocatorSettings
+from batchfit.devices.allocator_settings import allocator_label
+from batchfit.devices.allocator_settings import resolve_allocator
 from batchfit.devices.base import CountingDevice
+from batchfit.devices.caching_allocator import CachingAllocator
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
 from batchfit.errors import InputError
@@ -30,20 +34,43 @@ class SimulatedDevice(CountingDevice):
     at every batch size: the regime of a large model on a GPU, where a real trial costs seconds.
     A step that ends in an out-of-memory error costs nothing extra.
 
+    ``allocator`` says what decides a fit: ``"exact"`` (default), the live bytes within the capacity;
+    ``"cuda"``, PyTorch's CUDA caching allocator modelled (``batchfit.devices.caching_allocator``) with this
+    process's ``PYTORCH_CUDA_ALLOC_CONF``: a request fails where the card's allocator could not serve it,
+    fragmentation included, and trials report reserved peaks; ``"cuda-expandable"``, the same with
+    ``expandable_segments:True``; or an ``AllocatorSettings``.
+
     >>> device = SimulatedDevice("64MiB")
-    >>> device.capacity_bytes()
-    67108864
+    >>> device.capacity_bytes(), device.name
+    (67108864, 'sim:64.0MiB')
     >>> SimulatedDevice("64MiB", step_seconds=0.5).step_seconds
     0.5
+    >>> SimulatedDevice("64MiB", allocator="cuda-expandable").name
+    'sim:64.0MiB:cuda-expandable'
     """
 
     simulated = True
 
-    def __init__(self, capacity: int | str, *, rounding_bytes: int = CUDA_BLOCK_BYTES, step_seconds: float = 0.0):
+    def __init__(
+        self,
+        capacity: int | str,
+        *,
+        rounding_bytes: int = CUDA_BLOCK_BYTES,
+        step_seconds: float = 0.0,
+        allocator: str | AllocatorSettings | None = "exact",
+    ):
         self.step_seconds = check_step_seconds(step_seconds)
         self._capacity_bytes = parse_bytes(capacity)
+        self.allocator_settings = resolve_allocator(allocator)
         name = f"sim:{format_bytes(self._capacity_bytes).replace(' ', '')}"
-        counter = LiveBytes(limit_bytes=self._capacity_bytes, rounding_bytes=rounding_bytes, name=name)
+        if self.allocator_settings is not None:
+            name += f":{allocator_label(self.allocator_settings)}"
+        counter = LiveBytes(
+            limit_bytes=self._capacity_bytes,
+            rounding_bytes=rounding_bytes,
+            name=name,
+            allocator=modelled_allocator(self._capacity_bytes, self.allocator_settings),
+        )
         super().__init__(name, torch.device("cpu"), counter)
 
     def capacity_bytes(self) -> int:
@@ -61,6 +88,11 @@ class SimulatedDevice(CountingDevice):
         """Wait for the step to finish: ``step_seconds`` of simulated compute (none by default)."""
         if self.step_seconds:
             time.sleep(self.step_seconds)
+
+
+def modelled_allocator(capacity_bytes: int, settings: AllocatorSettings | None) -> CachingAllocator | None:
+    """The caching allocator a simulated device of ``capacity_bytes`` models (``None``: counted exactly)."""
+    return CachingAllocator(capacity_bytes, settings) if settings is not None else None
 
 
 def state_copy_bytes(workload: object) -> int:

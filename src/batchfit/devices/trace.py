@@ -38,6 +38,9 @@ from collections.abc import Iterator
 import torch
 
 from batchfit.devices.accounting import LiveBytes
+from batchfit.devices.allocator_settings import AllocatorSettings
+from batchfit.devices.allocator_settings import allocator_label
+from batchfit.devices.allocator_settings import resolve_allocator
 from batchfit.devices.base import CountingDevice
 from batchfit.devices.fake_values import TraceFakeMode
 from batchfit.devices.presets import ACCELERATORS
@@ -45,6 +48,7 @@ from batchfit.devices.presets import is_preset
 from batchfit.devices.presets import usable_bytes
 from batchfit.devices.simulated import CUDA_BLOCK_BYTES
 from batchfit.devices.simulated import SimulatedDevice
+from batchfit.devices.simulated import modelled_allocator
 from batchfit.devices.trace_errors import is_users_error
 from batchfit.devices.trace_errors import trace_error
 from batchfit.devices.trace_errors import tracing
@@ -59,7 +63,6 @@ from batchfit.step.batching import map_tensors
 from batchfit.step.workload import Workload
 
 __all__ = [  # with the names moved to trace_errors and undercounts that callers import from here
-    "CUDA_LARGE_ROUND_BYTES",
     "TRACE_DEVICE_HELP",
     "UNDERCOUNTING_OPS",
     "UNLIMITED_BYTES",
@@ -74,12 +77,17 @@ __all__ = [  # with the names moved to trace_errors and undercounts that callers
     "undercount_message",
 ]
 
-CUDA_LARGE_ROUND_BYTES = 2 * 2**20  # the caching allocator rounds requests over 1 MiB to 2 MiB segments
 UNLIMITED_BYTES = 1 << 60  # a capacity no trace reaches: an estimate measures the whole peak
 TRACE_DEVICE_HELP = (
     "give a TraceDevice or SimulatedDevice, 'trace:CAPACITY' or 'sim:CAPACITY' (e.g. 'sim:40GiB'), "
     "a GPU preset such as 'a100-40gb', a capacity such as '40GiB' or a byte count, or None"
 )
+
+
+def is_cuda_preset(capacity: object) -> bool:
+    """Whether ``capacity`` names a GPU that runs PyTorch's CUDA caching allocator (NVIDIA, and AMD's ROCm,
+    whose HIP allocator is the same code); Apple's presets run MPS's own."""
+    return isinstance(capacity, str) and is_preset(capacity) and not capacity.strip().lower().startswith("apple")
 
 
 def trace_capacity_bytes(capacity: int | str, reserve_bytes: int | None = None) -> int:
@@ -145,13 +153,18 @@ class TraceDevice(CountingDevice):
     """Estimate without the hardware: ``capacity`` is bytes, a size such as ``"40GiB"``, or a GPU
     preset such as ``"a100-40gb"`` (its usable memory after the per-process reserve).
 
-    Storages are rounded to 512-byte blocks like the CUDA caching allocator; ``reserved=True``
-    also rounds requests over 1 MiB up to 2 MiB, a rough model of the allocator's reserved memory.
-    ``device`` is where the fake tensors claim to be (the real device's type, so autocast picks
-    the same kernels); the fake kernels run on the CPU.
+    Storages are rounded to 512-byte blocks like the CUDA caching allocator. ``allocator`` says what
+    decides a fit, as for ``SimulatedDevice``: ``"cuda"`` (the default for an NVIDIA or AMD preset) models
+    PyTorch's caching allocator with this process's ``PYTORCH_CUDA_ALLOC_CONF``, so a size fits when the card's
+    allocator could serve every request, fragmentation included; ``"cuda-expandable"`` the same with
+    expandable segments; ``"exact"`` (the default for a capacity in bytes) counts live bytes. ``reserved=True``
+    is the old name of ``allocator="cuda"``. ``device`` is where the fake tensors claim to be (the real
+    device's type, so autocast picks the same kernels); the fake kernels run on the CPU.
 
     >>> TraceDevice("40GiB").capacity_bytes() == 40 * 2**30
     True
+    >>> TraceDevice("h100-80gb").name, TraceDevice("h100-80gb", allocator="cuda-expandable").name
+    ('trace:h100-80gb', 'trace:h100-80gb:cuda-expandable')
     """
 
     simulated = True
@@ -164,15 +177,20 @@ class TraceDevice(CountingDevice):
         reserved: bool = False,
         reserve_bytes: int | None = None,
         device: torch.device | str = "cpu",
+        allocator: str | AllocatorSettings | None = None,
     ):
         self._capacity_bytes = trace_capacity_bytes(capacity, reserve_bytes)
         label = capacity if isinstance(capacity, str) and is_preset(capacity) else format_bytes(self._capacity_bytes)
+        default = "cuda" if is_cuda_preset(capacity) or reserved else "exact"
+        self.allocator_settings = resolve_allocator(default if allocator is None else allocator)
         name = f"trace:{str(label).replace(' ', '')}"
+        if allocator is not None and allocator_label(self.allocator_settings) != default:
+            name += f":{allocator_label(self.allocator_settings)}"
         counter = LiveBytes(
             limit_bytes=self._capacity_bytes,
             rounding_bytes=rounding_bytes,
             name=name,
-            large_rounding_bytes=CUDA_LARGE_ROUND_BYTES if reserved else None,
+            allocator=modelled_allocator(self._capacity_bytes, self.allocator_settings),
         )
         super().__init__(name, torch.device(device), counter)
         self.fake_mode = TraceFakeMode()
@@ -192,17 +210,17 @@ class TraceDevice(CountingDevice):
         return self._capacity_bytes
 
     def unlimited(self) -> TraceDevice:
-        """A fresh TraceDevice like this one (rounding, reserved memory, device type) with no
+        """A fresh TraceDevice like this one (rounding, allocator, device type) with no
         capacity limit, so a trace measures the whole peak; this device is left as it is.
 
-        >>> TraceDevice("1GiB", reserved=True).unlimited().capacity_bytes() > 2**50
+        >>> TraceDevice("1GiB", allocator="cuda").unlimited().capacity_bytes() > 2**50
         True
         """
         return TraceDevice(
             UNLIMITED_BYTES,
             rounding_bytes=self.counter.rounding_bytes,
-            reserved=self.counter.large_rounding_bytes is not None,
             device=self.torch_device,
+            allocator=self.allocator_settings or "exact",
         )
 
     def prepare(self, workload: Workload) -> Workload:
@@ -245,14 +263,19 @@ def as_trace_device(spec: TraceDevice | SimulatedDevice | int | str | None) -> T
     if spec is None or isinstance(spec, TraceDevice):
         return spec
     if isinstance(spec, SimulatedDevice):
-        return TraceDevice(spec.capacity_bytes(), rounding_bytes=spec.counter.rounding_bytes)
+        return TraceDevice(
+            spec.capacity_bytes(),
+            rounding_bytes=spec.counter.rounding_bytes,
+            allocator=spec.allocator_settings or "exact",
+        )
     if isinstance(spec, bool) or not isinstance(spec, (int, str)):
         raise InputError(f"an estimate cannot run on device {spec!r} ({type(spec).__name__}): {TRACE_DEVICE_HELP}")
-    capacity = spec
+    capacity, allocator = spec, None
     if isinstance(spec, str) and spec.strip().lower().startswith(("sim:", "trace:")):
-        capacity = spec.strip().split(":", 1)[1]
+        capacity, _, kind = spec.strip().split(":", 1)[1].partition(":")
+        allocator = kind or ("exact" if spec.strip().lower().startswith("sim:") else None)
     try:
-        return TraceDevice(capacity)
+        return TraceDevice(capacity, allocator=allocator)
     except (ValueError, TypeError):
         presets = ", ".join(ACCELERATORS)
         raise InputError(

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from batchfit.devices.accounting import Ledger
+from batchfit.devices.allocator_replay import replay
+from batchfit.devices.allocator_settings import allocator_label
 from batchfit.devices.simulated import SimulatedDevice
 from batchfit.devices.trace import UNLIMITED_BYTES
 from batchfit.devices.trace import TraceDevice
@@ -84,6 +86,11 @@ class MemoryEstimate:
     ``undercounted_ops`` names the ops whose fake kernels make less memory than the real ones by
     an amount the trace cannot compute (the CPU LSTM's workspace is computed for fp32 and bf16,
     not for other dtypes): while it is not empty the peak is a lower bound.
+
+    Where the device models a caching allocator (a GPU preset's default), ``allocator`` names it,
+    ``reserved_peak_bytes`` is what it reserves at the peak (with the capacity as on the card: its
+    cache freed and the request retried where it runs short), and ``served`` says whether it could
+    serve every request within the capacity: on a GPU that, not the live bytes, decides the fit.
     """
 
     batch_size: int
@@ -94,6 +101,9 @@ class MemoryEstimate:
     analytic: AnalyticEstimate | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     undercounted_ops: tuple[str, ...] = ()
+    reserved_peak_bytes: int | None = None
+    allocator: str = "exact"
+    served: bool | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -105,7 +115,7 @@ class MemoryEstimate:
         """
         if self.capacity_bytes is None:
             return None
-        if self.peak_bytes > self.capacity_bytes:
+        if self.peak_bytes > self.capacity_bytes or self.served is False:
             return False  # a lower bound over the capacity: the real peak is over it too
         return None if self.undercounted_ops else True
 
@@ -118,9 +128,13 @@ class MemoryEstimate:
         lower_bound = "at least " if self.undercounted_ops else ""
         sentence = f"At batch size {self.batch_size} the peak is {lower_bound}{format_bytes(self.peak_bytes)}"
         sentence += f" (in {self.peak_phase}), the largest part {_largest_part(self.breakdown)}"
+        if self.reserved_peak_bytes is not None:
+            sentence += f", {format_bytes(self.reserved_peak_bytes)} reserved by the caching allocator"
         if self.capacity_bytes is not None:
             verdict = {True: "it fits in", False: "it does not fit in", None: "it may not fit in"}[self.fits]
             sentence += f"; {verdict} {format_bytes(self.capacity_bytes)}"
+            if self.served is False and self.peak_bytes <= self.capacity_bytes:
+                sentence += " (the caching allocator cannot serve every request: fragmentation)"
         if self.undercounted_ops:
             sentence += f", as the trace under-counts {', '.join(self.undercounted_ops)}"
         return sentence + "."
@@ -135,6 +149,9 @@ class MemoryEstimate:
             "capacity_bytes": self.capacity_bytes,
             "fits": self.fits,
             "undercounted_ops": list(self.undercounted_ops),
+            "allocator": self.allocator,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            "served": self.served,
             "analytic": self.analytic.to_dict() if self.analytic else None,
             **self.extra,
         }
@@ -215,6 +232,7 @@ def estimate_workload(
         with Prober(fake, tracer, steps=steps, phase_hook=_Tagger(ledger, tracer, fake)) as prober:
             trial = prober.probe(batch_size)
     breakdown = {key: ledger.breakdown().get(key, 0) for key in BREAKDOWN_KEYS}
+    reserved_peak, served = _allocator_outcome(tracer, trial, target)
     if tracer.undercounted_ops:
         hint = "this estimate is a lower bound; measure with `batchfit find --device sim:CAPACITY` instead"
         warnings.warn(f"batchfit: {undercount_message(tracer.undercounted_ops)}: {hint}", stacklevel=2)
@@ -226,7 +244,23 @@ def estimate_workload(
         capacity_bytes=None if target is None else target.capacity_bytes(),
         analytic=analytic_estimate(workload, batch_size) if analytic else None,
         undercounted_ops=tracer.undercounted_ops,
+        reserved_peak_bytes=reserved_peak,
+        allocator=allocator_label(tracer.allocator_settings),
+        served=served,
     )
+
+
+def _allocator_outcome(tracer: TraceDevice, trial: Any, target: TraceDevice | None) -> tuple[int | None, bool | None]:
+    """The modelled allocator's reserved peak and whether it served every request: the trial's requests and
+    frees replayed with the target's capacity, where there is one (the trace itself ran without a limit)."""
+    counter = tracer.counter
+    if counter.allocator is None:
+        return None, None
+    if target is None:
+        return trial.reserved_peak_bytes, None
+    _, _, nbytes = counter.storage_log()
+    outcome = replay(counter.allocator_at_start, counter.event_log(), nbytes, target.capacity_bytes())
+    return (outcome.peak_reserved_bytes if outcome.served else None), outcome.served
 
 
 def estimate_memory(

@@ -344,12 +344,18 @@ def optimizer_fields(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] 
 
 
 def device_fields(device: Device) -> dict[str, Any]:
-    """The device's name and capacity (a real device's rounded down to 64 MiB: its free memory
-    drifts a little between runs, and a cached answer then still applies)."""
+    """The device's name, capacity (a real device's rounded down to 64 MiB: its free memory
+    drifts a little between runs, and a cached answer then still applies) and caching allocator settings."""
     capacity = device.capacity_bytes()
     if capacity is not None and not device.simulated:
         capacity -= capacity % REAL_DEVICE_CAPACITY_STEP_BYTES
-    return {"name": device.name, "kind": type(device).__name__, "capacity_bytes": capacity}
+    settings = getattr(device, "allocator_settings", None)  # a caching allocator decides what fits
+    return {
+        "name": device.name,
+        "kind": type(device).__name__,
+        "capacity_bytes": capacity,
+        "allocator": settings.to_conf() if settings is not None else None,
+    }
 
 
 def fingerprint_fields(workload: Workload, device: Device, settings: Mapping[str, Any]) -> dict[str, Any]:

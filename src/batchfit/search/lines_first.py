@@ -4,7 +4,9 @@ Every storage a step makes has bytes that are a fixed size or grow in proportion
 size B, and lives from one op to another whatever B is; so two trials whose ops match one for
 one (at 2 and 3: batch 1 may take other ops) give every storage's line, hence the live bytes
 after every op at any B, each storage rounded as the allocator rounds it (``StorageLines``), and
-the edge: the largest B whose every op stays within the limit. Where some size is not so (a
+the edge: the largest B whose every op stays within the limit. On a device that models the CUDA
+caching allocator, the edge is also the largest B whose requests, replayed in the trial's order at
+that size, the allocator serves: there fragmentation, not the live bytes, decides. Where some size is not so (a
 workspace rounded to pages, a B x B matrix), or the ops differ, ``Auto`` goes on from the two
 trials.
 
@@ -43,6 +45,8 @@ def storage_record(counter: LiveBytes, trial: Trial) -> StorageRecord:
         nbytes=nbytes,
         timeline=np.array(timeline, dtype=np.int64),
         peak_bytes=int(trial.peak_bytes or 0),
+        events=counter.event_log() if counter.allocator is not None else None,
+        allocator_start=counter.allocator_at_start,
     )
 
 
@@ -114,8 +118,15 @@ class LinesFirst:
         if lines is None or space.limit_bytes is None:
             return self._hand_over()
         if lines.proportional:
-            self.edge = lines.max_batch_size(space.limit_bytes, high.batch_size, space.max_batch_size)
+            self.edge = self._edge(lines, space, high.batch_size)
             return self._hand_over(guess=self.edge) if self.verify else None
-        safe = lines.at(high.batch_size).bounded()
-        aim = safe.max_batch_size(space.limit_bytes, high.batch_size, space.max_batch_size)
+        aim = self._edge(lines.at(high.batch_size).bounded(), space, high.batch_size)
         return self._hand_over(min(max(aim, high.batch_size + 1), space.max_batch_size))
+
+    def _edge(self, lines: StorageLines, space: SearchSpace, fitting: int) -> int:
+        """The largest size whose live bytes stay within the limit and, where the device models a caching
+        allocator, whose every request it serves (the requests replayed at that size)."""
+        edge = lines.max_batch_size(space.limit_bytes, fitting, space.max_batch_size)
+        if self.counter.allocator is None or edge <= fitting:
+            return edge
+        return lines.max_served_batch_size(fitting, edge)

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchfit.devices.allocator_replay import events_from_lifetimes
+from batchfit.devices.allocator_replay import replay
+from batchfit.devices.caching_allocator import CachingAllocator
 from batchfit.search.trial import Trial
 
 
@@ -110,6 +113,8 @@ class StorageRecord:
     nbytes: np.ndarray
     timeline: np.ndarray
     peak_bytes: int
+    events: np.ndarray | None = None  # the order storages were made and freed (``LiveBytes.event_log``)
+    allocator_start: CachingAllocator | None = None  # the modelled caching allocator as the trial began
 
 
 @dataclass(frozen=True)
@@ -200,8 +205,34 @@ class StorageLines:
     def max_batch_size(self, limit_bytes: int, fitting: int, largest: int) -> int:
         """The largest B in ``[fitting, largest]`` whose predicted peak stays within ``limit_bytes``,
         by bisection; ``fitting`` is a size known to fit."""
-        lo, hi = fitting, largest + 1  # lo fits; hi is past the range or over the limit
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.peak_bytes(mid) <= limit_bytes else (lo, mid)
-        return lo
+        return _bisect(lambda size: self.peak_bytes(size) <= limit_bytes, fitting, largest)
+
+    def served(self, batch_size: int) -> bool:
+        """Whether the caching allocator the trials ran on would serve every request of a step at
+        ``batch_size``: the base trial's requests and frees, in its order, with the storages' sizes at
+        ``batch_size``, replayed from the allocator's state as that trial began."""
+        start = self.base.allocator_start
+        return start is None or replay(start, self.event_order(), self._sizes(batch_size)).served
+
+    def event_order(self) -> np.ndarray:
+        """The base trial's order of requests and frees, or (where it logged none) one drawn from lifetimes."""
+        base = self.base
+        if base.events is not None:
+            return base.events
+        return events_from_lifetimes(base.born, base.freed, len(base.timeline))
+
+    def max_served_batch_size(self, fitting: int, largest: int) -> int:
+        """The largest B in ``[fitting, largest]`` the allocator serves, by bisection from ``largest`` down
+        (``largest``: where the live bytes alone would still fit, the usual answer); ``fitting`` is served."""
+        if self.served(largest):
+            return largest
+        return _bisect(self.served, fitting, largest - 1)
+
+
+def _bisect(fits: Callable[[int], bool], fitting: int, largest: int) -> int:
+    """The largest B in ``[fitting, largest]`` where ``fits`` holds, taking it to hold up to an edge."""
+    lo, hi = fitting, largest + 1  # lo fits; hi is past the range or does not fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -155,8 +155,13 @@ class Prober:
         device, work = self.device, self.workload
         device_type = device.torch_device.type
 
+        reserved_peak = getattr(device, "reserved_peak_bytes", None)
+
         def mark(phase: str) -> None:
             record.peaks[phase] = max(record.peaks.get(phase, 0), device.peak_bytes())
+            reserved = reserved_peak() if reserved_peak is not None else None
+            if reserved is not None:
+                record.reserved_peak = max(record.reserved_peak or 0, reserved)
             record.phase = _NEXT_PHASE.get(phase, "forward")
             self.phase_hook(phase)
             device.reset_peak()
@@ -198,6 +203,7 @@ class Prober:
             steps=record.steps,
             held_bytes=record.held_bytes,
             step_seconds=tuple(record.step_seconds),
+            reserved_peak_bytes=record.reserved_peak,
         )
         if error is not None:
             return Trial(batch_size, False, None, seconds, error, oom=True, failed_phase=record.phase, **common)
@@ -239,6 +245,7 @@ class _Record:
     held_bytes: int | None = None
     phase: str = "forward"  # where the trial is now: the phase an OOM struck in
     step_seconds: list[float] = field(default_factory=list)
+    reserved_peak: int | None = None  # the caching allocator's, where the device has one
 
 
 _NEXT_PHASE = {"forward": "backward", "backward": "optimizer"}

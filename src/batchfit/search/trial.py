@@ -22,7 +22,9 @@ class Trial:
     a peak over the usable memory (capacity minus margin); ``held_bytes`` is what was live at the
     start of the last step apart from the batch (parameters, buffers, optimizer state);
     ``timeline`` holds the live bytes after every op, where the device records them, and
-    ``exact_timeline`` the same before allocator rounding; ``step_seconds`` times each full step.
+    ``exact_timeline`` the same before allocator rounding; ``step_seconds`` times each full step;
+    ``reserved_peak_bytes`` is the caching allocator's reserved peak where the device has one (a GPU, or a
+    simulated device that models it): at least the peak of live bytes, and what the card must hold.
     """
 
     batch_size: int
@@ -38,6 +40,7 @@ class Trial:
     exact_timeline: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     failed_phase: str | None = None
     step_seconds: tuple[float, ...] = ()
+    reserved_peak_bytes: int | None = None
 
     def summary(self) -> str:
         """One line: the size, whether it fitted, and the peak.
@@ -64,8 +67,12 @@ class Trial:
         """A log line: ``✓ Batch size 28 fits — peak 5.2 GiB of 8.0 GiB (0.4 s)``."""
         if self.fits:
             of = f" of {format_bytes(capacity_bytes)}" if capacity_bytes else ""
+            reserved = ""
+            if self.reserved_peak_bytes is not None:
+                reserved = f", {format_bytes(self.reserved_peak_bytes)} reserved"
             return (
-                f"✓ Batch size {self.batch_size} fits — peak {format_bytes(self.peak_bytes)}{of} ({self.seconds:.1f} s)"
+                f"✓ Batch size {self.batch_size} fits — peak {format_bytes(self.peak_bytes)}{of}{reserved} "
+                f"({self.seconds:.1f} s)"
             )
         reason = f"out of memory in {self.failed_phase}" if self.oom else (self.error or "does not fit")
         return f"✗ Batch size {self.batch_size}: {reason}"
