@@ -4,6 +4,8 @@ allocator's edge, not the live bytes' one; and a loop written by hand holds at t
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -47,8 +49,13 @@ def test_fragmentation_lowers_the_answer_and_the_lines_land_on_it():
     exact, *_ = search("exact", trace=False)
     modelled, *_ = search("cuda", trace=False)
     assert [t.batch_size for t in exact.trials] == [2, 3, exact.batch_size, exact.batch_size + 1]
-    assert [t.batch_size for t in modelled.trials] == [2, 3, modelled.batch_size, modelled.batch_size + 1]
-    assert [t.fits for t in modelled.trials] == [True, True, True, False]
+    answer = modelled.batch_size  # the lines' edge, tried, one above, then 4 steps from an emptied cache
+    assert [(t.batch_size, t.fits, t.steps) for t in modelled.trials[2:]] == [
+        (answer, True, 2),
+        (answer + 1, False, 0),
+        (answer, True, 4),
+    ]
+    assert modelled.trials[:2] == [t for t in modelled.trials if t.batch_size in (2, 3)]
     assert modelled.batch_size < 0.7 * exact.batch_size  # a third of the capacity lost to one hole
     fitted = modelled.trials[2]
     assert fitted.peak_bytes < fitted.reserved_peak_bytes <= 64 * MIB
@@ -135,3 +142,41 @@ def test_an_estimate_says_when_the_allocator_cannot_serve_what_the_live_bytes_wo
     assert "cannot serve every request: fragmentation" in estimate.summary()
     exact = bf.estimate_memory(model, torch.randn(4, 8), 700, step_fn=fragmenting_step, device="64MiB")
     assert exact.fits is True and exact.peak_bytes == estimate.peak_bytes
+
+
+def test_a_confirmation_that_fails_goes_down_until_a_size_holds_for_its_steps():
+    """A loop whose memory grows with every step (one tensor per step, kept while the trial's batch lives):
+    two steps fit where four do not. The confirmation gallops down from the answer, then bisects, to the
+    largest size that holds four steps, the answer then; every size tried is a trial."""
+    kept: list[torch.Tensor] = []
+
+    def growing_step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        if not kept:
+            weakref.finalize(batch, kept.clear)  # the trial's batch dropped: its steps' tensors go too
+        kept.append(torch.zeros(batch.shape[0], 2 * KIB))
+        return model(batch).sum()
+
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    common = dict(step_fn=growing_step, optimizer=optimizer, device="sim:8MiB")
+    two_steps = bf.find_max_batch_size(model, torch.randn(4, 8), trace=False, confirm_steps=0, **common)
+    confirmed = bf.find_max_batch_size(model, torch.randn(4, 8), trace=False, confirm_steps=4, **common)
+    edge = two_steps.batch_size
+    assert (
+        [t.batch_size for t in confirmed.trials[:4]]
+        == [t.batch_size for t in two_steps.trials]
+        == [
+            2,
+            3,
+            edge,
+            edge + 1,
+        ]
+    )
+    confirmations = confirmed.trials[4:]
+    assert confirmations[0].batch_size == edge and not confirmations[0].fits
+    sizes = range(confirmed.batch_size - 2, edge + 1)
+    truth = max(s for s in sizes if bf.probe_batch_size(model, torch.randn(4, 8), s, steps=4, **common).fits)
+    assert confirmed.batch_size == truth < edge and confirmed.exact
+    assert confirmed.extra["confirmed"] == {"steps": 4, "batch_size": truth, "from": edge}
+    assert all(t.steps == 4 for t in confirmations if t.fits)
+    assert len(confirmations) <= 2 * (edge - truth).bit_length() + 1  # galloping down, then bisection

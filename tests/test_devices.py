@@ -122,6 +122,7 @@ class FakeCuda:
         monkeypatch.setattr(cuda, "memory_reserved", lambda device: 1500)
         monkeypatch.setattr(cuda, "memory_allocated", self.memory_allocated)
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda device: 4321)
+        monkeypatch.setattr(cuda, "max_memory_reserved", lambda device: 5432)
         monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device: self.calls.append(("reset", device)))
         monkeypatch.setattr(cuda, "empty_cache", lambda: self.calls.append(("empty_cache",)))
         monkeypatch.setattr(cuda, "synchronize", lambda device: self.calls.append(("sync", device)))
@@ -138,7 +139,7 @@ def test_cuda_device_reads_the_caching_allocator(monkeypatch):
     assert device.name == "cuda:1" and device.torch_device == torch.device("cuda", 1)
     assert device.capacity_bytes() == 6000 + 1500  # free memory plus this process's cache
     device.reset_peak()
-    assert device.peak_bytes() == 4321
+    assert device.peak_bytes() == 4321 and device.reserved_peak_bytes() == 5432
     device.cleanup()
     device.synchronize()
     assert fake.calls == [("reset", torch.device("cuda", 1)), ("empty_cache",), ("sync", torch.device("cuda", 1))]

@@ -375,6 +375,15 @@ class CachingAllocator:
         if nbytes > 0:
             self.stats.num_device_alloc += 1
 
+    def rebuilt(self, settings: AllocatorSettings) -> CachingAllocator:
+        """A fresh allocator with ``settings`` holding what this one hands out now, requested again in address
+        order: the state a process with those settings would start from (held blocks it cannot serve are left out)."""
+        twin = CachingAllocator(self.capacity_bytes, settings)
+        for block in sorted(self.active, key=lambda b: b.ptr):
+            twin.malloc(block.size)
+        twin.reset_peak()
+        return twin
+
     def copy(self) -> CachingAllocator:
         """An independent allocator in the same state: every block, free or handed out, copied and relinked."""
         new = CachingAllocator.__new__(CachingAllocator)

@@ -238,10 +238,10 @@ class RankProber:
             stack.close()
         self.device.collect()  # FSDP2's modules and hooks hold cycles: the rank's memory is free only after a collection
 
-    def probe(self, batch_size: int) -> Trial:
+    def probe(self, batch_size: int, steps: int | None = None) -> Trial:
         if self._prober is None:
             return self._traced_trial(batch_size)
-        return self._prober.probe(batch_size)
+        return self._prober.probe(batch_size, steps)
 
     def _traced_trial(self, batch_size: int) -> Trial:
         """A fake trial: the session's trace at ``batch_size``, fitting when its peak is within the limit."""

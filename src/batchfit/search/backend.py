@@ -33,7 +33,8 @@ from batchfit.step.workload import Workload
 
 class TrialProber(Protocol):
     """What runs the trials of one search: a context manager (state saved on entry, restored on
-    exit) whose ``probe(batch_size)`` returns a ``Trial``. ``baseline_bytes`` is what the workload
+    exit) whose ``probe(batch_size, steps=None)`` returns a ``Trial`` (``steps``: full steps other than the
+    search's, where the prober can run them: a confirmation at the answer). ``baseline_bytes`` is what the workload
     holds before any batch; ``compile_watch`` counts ``torch.compile`` graphs, or is ``None``."""
 
     baseline_bytes: int
@@ -41,7 +42,7 @@ class TrialProber(Protocol):
 
     def __enter__(self) -> TrialProber: ...
     def __exit__(self, *exc_info: object) -> None: ...
-    def probe(self, batch_size: int) -> Trial: ...
+    def probe(self, batch_size: int, steps: int | None = None) -> Trial: ...
 
 
 class SearchBackend(Protocol):

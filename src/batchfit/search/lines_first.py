@@ -60,7 +60,8 @@ class LinesFirst:
     ``counter`` is the device's ``LiveBytes``. With ``verify=False`` (fake trials) the search ends
     at the lines' edge; with ``verify=True`` (real trials) ``Auto`` then tries the edge and one
     more. ``edge`` is the lines' answer, if they gave one; ``method`` says what found the edge:
-    ``"lines"`` or ``"search"``.
+    ``"lines"`` or ``"search"``. Where the device models a caching allocator without expandable
+    segments, ``expandable_edge`` is the edge the lines give with them (what fragmentation costs).
     """
 
     def __init__(self, counter: LiveBytes, verify: bool = False):
@@ -70,6 +71,7 @@ class LinesFirst:
         self.fallback: Auto | None = None
         self.method = "lines"
         self.edge: int | None = None
+        self.expandable_edge: int | None = None
 
     @property
     def name(self) -> str:
@@ -119,6 +121,7 @@ class LinesFirst:
             return self._hand_over()
         if lines.proportional:
             self.edge = self._edge(lines, space, high.batch_size)
+            self.expandable_edge = self._expandable_edge(lines, space, high.batch_size)
             return self._hand_over(guess=self.edge) if self.verify else None
         aim = self._edge(lines.at(high.batch_size).bounded(), space, high.batch_size)
         return self._hand_over(min(max(aim, high.batch_size + 1), space.max_batch_size))
@@ -130,3 +133,13 @@ class LinesFirst:
         if self.counter.allocator is None or edge <= fitting:
             return edge
         return lines.max_served_batch_size(fitting, edge)
+
+    def _expandable_edge(self, lines: StorageLines, space: SearchSpace, fitting: int) -> int | None:
+        """The edge with expandable segments where the device's allocator runs without them (else ``None``):
+        the same requests replayed from the held blocks placed as that allocator would place them."""
+        allocator = self.counter.allocator
+        if allocator is None or allocator.settings.expandable_segments or lines.base.allocator_start is None:
+            return None
+        start = lines.base.allocator_start.rebuilt(allocator.settings.with_expandable_segments())
+        edge = lines.max_batch_size(space.limit_bytes, fitting, space.max_batch_size)
+        return lines.with_start(start).max_served_batch_size(fitting, edge)

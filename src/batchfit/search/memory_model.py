@@ -11,6 +11,7 @@ growing with the batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -220,6 +221,10 @@ class StorageLines:
         if base.events is not None:
             return base.events
         return events_from_lifetimes(base.born, base.freed, len(base.timeline))
+
+    def with_start(self, allocator: CachingAllocator) -> StorageLines:
+        """The same lines, replayed from ``allocator`` (another allocator's state at the trial's start)."""
+        return dataclasses.replace(self, base=dataclasses.replace(self.base, allocator_start=allocator))
 
     def max_served_batch_size(self, fitting: int, largest: int) -> int:
         """The largest B in ``[fitting, largest]`` the allocator serves, by bisection from ``largest`` down

@@ -133,15 +133,15 @@ class Prober:
             "parameters, buffers, gradients, optimizer state",
         )
 
-    def probe(self, batch_size: int) -> Trial:
-        """Run one trial at ``batch_size`` and put the state back."""
+    def probe(self, batch_size: int, steps: int | None = None) -> Trial:
+        """Run one trial at ``batch_size`` (``steps`` full steps, default the prober's) and put the state back."""
         if self._snapshot is None:
             raise RuntimeError("use Prober as a context manager: with Prober(...) as prober: prober.probe(8)")
         record = _Record()
         start = time.perf_counter()
         error = None
         try:
-            self._run_steps(batch_size, record)
+            self._run_steps(batch_size, record, self.steps if steps is None else steps)
         except BaseException as exc:
             if not is_oom(exc):
                 self._reset()
@@ -151,7 +151,7 @@ class Prober:
         self._reset()
         return self._trial(batch_size, record, seconds, error)
 
-    def _run_steps(self, batch_size: int, record: _Record) -> None:
+    def _run_steps(self, batch_size: int, record: _Record, steps: int) -> None:
         device, work = self.device, self.workload
         device_type = device.torch_device.type
 
@@ -175,7 +175,7 @@ class Prober:
             self.phase_hook("batch")
             scaler = work.make_scaler(device_type)
             held = LoopVariables()  # a loop's `outputs` and `loss`, alive from one step into the next
-            for _ in range(self.steps):
+            for _ in range(steps):
                 record.held_bytes = device.live_bytes() - batch_bytes - held.tensor_bytes()
                 started = self.clock()
                 if work.mode == "train":

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from batchfit.devices.units import format_bytes
+from batchfit.search.allocator_report import allocator_clause
 from batchfit.search.trial import Trial
 
 
@@ -101,7 +102,7 @@ class SearchResult:
             f"Largest batch size that fits on {self.device}: {self.batch_size}{mode} "
             f"(peak {format_bytes(self.peak_bytes)} of {format_bytes(self.capacity_bytes)}), "
             f"found by '{self.strategy}' in {len(self.trials)} trials{after}, {self.oom_trials} out of memory, "
-            f"{self.seconds:.1f} s{exact}{self._evidence_clause()}."
+            f"{self.seconds:.1f} s{exact}{self._evidence_clause()}{allocator_clause(self.extra)}."
         )
 
     def _evidence_clause(self) -> str:

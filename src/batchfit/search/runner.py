@@ -7,6 +7,7 @@ look it up in the result cache, let a trace guess the edge, run the trials, buil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from batchfit.errors import InputTypeError
 from batchfit.errors import NoBatchFitsError
 from batchfit.errors import TraceError
 from batchfit.search import distributed
+from batchfit.search.allocator_report import CONFIRM_STEPS
+from batchfit.search.allocator_report import allocator_report
 from batchfit.search.backend import SearchBackend
 from batchfit.search.backend import TrialProber
 from batchfit.search.backend import backend_for
@@ -121,9 +124,12 @@ def trace_estimate(
     Usually two fake trials: they draw every storage's bytes as a line in the batch size, and the
     edge is read off the lines (see ``batchfit.search.lines_first``). The answer's keys:
     ``batch_size``, ``trials`` (fake trials run), ``seconds`` and ``method`` (``"lines"``, or
-    ``"search"`` when the lines could not decide and a search on fake trials went on)."""
+    ``"search"`` when the lines could not decide and a search on fake trials went on); where the device's
+    caching allocator runs without expandable segments, ``expandable_batch_size``, the edge with them.
+    The trace models the device's caching allocator, if it has one (a GPU's, read from this process)."""
     start = time.perf_counter()
-    tracer = TraceDevice(limit_bytes, device=device.torch_device)
+    allocator = getattr(device, "allocator_settings", None) or "exact"  # the device's caching allocator, if any
+    tracer = TraceDevice(limit_bytes, device=device.torch_device, allocator=allocator)
     strategy = LinesFirst(tracer.counter)
     try:
         estimate = search_workload(
@@ -144,12 +150,15 @@ def trace_estimate(
         return None
     if tracer.undercounted_ops:
         logger.warning("batchfit: %s: its edge is only a first guess", undercount_message(tracer.undercounted_ops))
-    return {
+    traced = {
         "batch_size": strategy.edge if strategy.edge is not None else estimate.batch_size,
         "trials": len(estimate.trials),
         "seconds": time.perf_counter() - start,
         "method": strategy.method,
     }
+    if strategy.expandable_edge is not None:
+        traced["expandable_batch_size"] = strategy.expandable_edge
+    return traced
 
 
 def _warn_untraceable(error: Exception) -> None:
@@ -217,9 +226,11 @@ def search_workload(
         return hit
     plan, traced, deferred = _guess_by_trace(plan, workload)
     trials, space, reported = _run_trials(plan, workload, on_trial, on_trial_start, deferred, start)
-    result = _annotated(
-        workload, _result(plan, workload.name, trials, space, {**traced, **reported}, start), plan.device
-    )
+    result = _result(plan, workload.name, trials, space, {**traced, **reported}, start)
+    report = allocator_report(plan.device, result)
+    if report is not None:
+        result.extra["allocator"] = report
+    result = _annotated(workload, result, plan.device)
     if cached is not None and "stopped_by" not in result.extra:  # an edge the clock cut short is not kept
         cached.store(result)
     return result
@@ -332,12 +343,61 @@ def _run_trials(
             trials.append(_one_trial(plan, prober, batch_size, on_trial, on_trial_start))
             if deferred and len(trials) == 1:
                 plan = _choose_after_first(plan, workload, trials[0], reported)
+        confirmed = (
+            None if "stopped_by" in reported else _confirm(plan, prober, trials, space, on_trial, on_trial_start)
+        )
+        if confirmed is not None:
+            reported["confirmed"] = confirmed
         watch = prober.compile_watch
         if watch is not None:
             reported["compile"] = _compile_report(watch, trials)
     if isinstance(plan.strategy, LinesFirst) and plan.strategy.edge is not None:
         reported["lines"] = {"batch_size": plan.strategy.edge, "from": [t.batch_size for t in trials[:2]]}
+        if plan.strategy.expandable_edge is not None:
+            reported["lines"]["expandable_batch_size"] = plan.strategy.expandable_edge
     return trials, space, reported
+
+
+def confirm_steps(plan: _Plan) -> int:
+    """How many steps in a row confirm the answer: the settings' ``confirm_steps``, else ``CONFIRM_STEPS``
+    where a caching allocator decides what fits on this (real, or simulated) device, else none."""
+    wanted = plan.settings.confirm_steps
+    if wanted is not None:
+        return wanted
+    if plan.backend.is_trace(plan.device) or getattr(plan.device, "allocator_settings", None) is None:
+        return 0
+    return CONFIRM_STEPS
+
+
+def _confirm(
+    plan: _Plan,
+    prober: TrialProber,
+    trials: list[Trial],
+    space: SearchSpace,
+    on_trial: Callable[[Trial], None] | None,
+    on_trial_start: Callable[[int], None] | None,
+) -> dict[str, Any] | None:
+    """Try the answer again for ``confirm_steps`` steps in a row, from an emptied cache as training starts (a
+    caching allocator's state after a few steps is not its state after two); where it fails, go down (1, 2, 4,
+    ... below) until a size holds, then bisect. Every confirmation is a trial; ``None`` when none is due."""
+    steps = confirm_steps(plan)
+    lo, _ = bracket(trials, space)
+    if not steps or lo < space.min_batch_size:
+        return None
+    held, failed, gap, size = None, None, 1, lo
+    while held is None and size >= space.min_batch_size:
+        trial = _one_trial(plan, prober, size, on_trial, on_trial_start, steps=steps)
+        trials.append(trial)
+        if trial.fits:
+            held = size
+        else:
+            failed, size, gap = size, size - gap, gap * 2
+    while held is not None and failed is not None and failed - held > 1:
+        middle = (held + failed) // 2
+        trial = _one_trial(plan, prober, middle, on_trial, on_trial_start, steps=steps)
+        trials.append(trial)
+        held, failed = (middle, failed) if trial.fits else (held, middle)
+    return {"steps": steps, "batch_size": held, "from": lo}
 
 
 def _limit_reached(plan: _Plan, trials: list[Trial], batch_size: int, start: float | None) -> str | None:
@@ -400,12 +460,15 @@ def _one_trial(
     batch_size: int,
     on_trial: Callable[[Trial], None] | None,
     on_trial_start: Callable[[int], None] | None,
+    steps: int | None = None,
 ) -> Trial:
-    """Probe ``batch_size`` (under ranks: it fits only if it fit on every rank), log it, report it."""
+    """Probe ``batch_size`` (``steps`` full steps, default the search's; under ranks: it fits only if it fit
+    on every rank), log it, report it."""
     if on_trial_start is not None:
         on_trial_start(batch_size)
+    probe = prober.probe if steps is None else functools.partial(prober.probe, steps=steps)
     # Agreeing, a rank whose trial raises tells the others in this trial's agreement.
-    trial = distributed.probe_together(prober.probe, batch_size) if plan.agreeing else prober.probe(batch_size)
+    trial = distributed.probe_together(probe, batch_size) if plan.agreeing else probe(batch_size)
     # A caller with on_trial reports trials itself; a trace's trials are only an estimate.
     quiet = on_trial is not None or plan.backend.is_trace(plan.device)
     logger.log(logging.DEBUG if quiet else logging.INFO, trial.describe(plan.capacity_bytes))
@@ -441,7 +504,7 @@ def _result(
 
 def _compile_report(watch: CompileWatch, trials: list[Trial]) -> dict[str, int]:
     """Graphs dynamo compiled for the trials of a compiled model; a warning when sizes recompiled."""
-    report = watch.report(sizes=len(trials))
+    report = watch.report(sizes=len({t.batch_size for t in trials}))
     warning = recompile_warning(report)
     if warning is not None:
         logger.warning("batchfit: %s", warning)
@@ -487,6 +550,7 @@ def find_max_batch_size(
     longest_seq_len: int | None = None,
     cache: CacheSpec = False,
     parallelism: Any = None,
+    confirm_steps: int | None = None,
 ) -> SearchResult:
     """The largest batch size that really fits: every answer is a size a trial ran.
 
@@ -515,7 +579,10 @@ def find_max_batch_size(
     process group: the model is copied onto ``meta``, sharded, and only the rank's shards are
     allocated (with the rank's rows of the model's values); the optimizer is built again over
     them. The answer is the micro-batch per rank; ``result.extra["mode"]`` says what ran. The
-    model and optimizer passed are not changed.
+    model and optimizer passed are not changed. Where a caching allocator decides what fits (a GPU, or
+    ``"sim:8GiB:cuda"``), the answer is confirmed by ``confirm_steps`` (default 4) steps in a row from an
+    emptied cache, as training starts, going lower if it fails; ``result.extra["allocator"]`` says what the
+    allocator reserved beyond the live bytes and, where predicted, the answer with expandable segments.
 
     >>> import batchfit as bf
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
@@ -535,6 +602,7 @@ def find_max_batch_size(
         steps=steps,
         trace=trace,
         cache=cache,
+        confirm_steps=confirm_steps,
     )
     if longest_seq_len is not None:
         sample_batch = pad_sequences(sample_batch, longest_seq_len)

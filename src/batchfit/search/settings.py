@@ -97,6 +97,11 @@ class SearchSettings:
     """``True``, a folder or a ``ResultCache``: answer a search that ran before with zero trials."""
     agree: bool | None = None
     """Make all ranks agree on every trial (default: when a process group is initialised)."""
+    confirm_steps: int | None = None
+    """Where a caching allocator decides what fits (a GPU, or a simulated device that models one), the
+    answer is tried once more for this many full steps in a row, from an emptied cache as training starts,
+    and lower sizes until one holds: the allocator's state after a few steps is what training meets
+    (``None``: 4 there, none elsewhere; ``0``: never)."""
 
     def __post_init__(self) -> None:
         check_bounds(self.min_batch_size, self.max_batch_size, self.max_trials)
@@ -107,6 +112,10 @@ class SearchSettings:
             raise InputTypeError(f"trace must be 'auto', True or False, got {self.trace!r}")
         margin_bytes(self.margin, None)  # its form: bytes, a size string, or a fraction in [0, 1)
         check_cache(self.cache)
+        if self.confirm_steps is not None and (not _is_count(self.confirm_steps) or self.confirm_steps < 0):
+            raise InputError(
+                f"confirm_steps must be a whole number of steps (0: no confirmation) or None, got {self.confirm_steps!r}"
+            )
         if self.agree not in (None, True, False):
             raise InputTypeError(
                 f"agree must be True, False or None (when a process group is initialised), got {self.agree!r}"

@@ -103,15 +103,15 @@ class MlxProber:
             "parameters, optimizer state, the sample",
         )
 
-    def probe(self, batch_size: int) -> Trial:
-        """Run one trial at ``batch_size`` and put the state back."""
+    def probe(self, batch_size: int, steps: int | None = None) -> Trial:
+        """Run one trial at ``batch_size`` (``steps`` full steps, default the prober's) and put the state back."""
         if self._snapshot is None:
             raise RuntimeError("use MlxProber as a context manager: with MlxProber(...) as prober: prober.probe(8)")
         record = _Record()
         start = time.perf_counter()
         error = peak = None
         try:
-            peak = self._run_steps(batch_size, record)
+            peak = self._run_steps(batch_size, record, self.steps if steps is None else steps)
         except BaseException as exc:
             if not is_mlx_oom(exc):
                 self._reset()
@@ -121,7 +121,7 @@ class MlxProber:
         self._reset()
         return self._trial(batch_size, record, seconds, peak, error)
 
-    def _run_steps(self, batch_size: int, record: _Record) -> int:
+    def _run_steps(self, batch_size: int, record: _Record, steps: int) -> int:
         device, work = self.device, self.workload
 
         def mark(phase: str) -> None:
@@ -133,7 +133,7 @@ class MlxProber:
             batch = resize_batch(work.sample_batch, batch_size)
             mx.eval(batch)
             held_batch = batch_bytes(batch)
-            for _ in range(self.steps):
+            for _ in range(steps):
                 record.phase = "forward"
                 record.held_bytes = device.live_bytes() - held_batch
                 started = self.clock()
