@@ -151,6 +151,31 @@ def test_plan_verify_confirms_the_traced_answer_with_real_trials_at_it_and_above
     assert refused.exit_code == 2 and "--verify confirms a plan traced on fake tensors" in refused.output
 
 
+@pytest.mark.slow  # a plan traces its search, then real trials at it, above it and below it: about 6 s of CPU
+def test_plan_verify_replaces_a_traced_answer_that_fails_for_real(tmp_path, monkeypatch) -> None:
+    """Traced for 4 MiB, verified on a 3.5 MiB device: the traced micro-batch fails its real trial, so the
+    plan uses the largest size one rank's real trials fit below it, and says so."""
+    from typer.testing import CliRunner
+
+    from batchfit.cli.app import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama.json").write_text(json.dumps(SMALL_LLAMA | {"model_type": "llama"}))
+    args = ["plan", "llama.json", "--gpu", "4MiB", "--gpus", "2", "--seq-len", "16", "--global-batch-tokens", "1K"]
+    args += ["--activation-checkpointing", "none", "--verify", "--device", "sim:3584KiB", "--json", "plan.json"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    document = json.loads((tmp_path / "plan.json").read_text())
+    at = document["sharding"]["verification"]["rows"][0]
+    assert not at["fits"] and 1 <= at["verified_batch_size"] < at["batch_size"]
+    assert f"the traced micro-batch {at['batch_size']} did not fit" in result.output
+    assert document["batch_configuration"]["per_gpu_batch_size"] <= at["verified_batch_size"]
+    spec = SMALL_LLAMA | {"model_type": "llama"}
+    for size, fits in ((at["verified_batch_size"], True), (at["verified_batch_size"] + 1, False)):
+        trial = probe_rank_batch_size(spec, 16, size, parallelism=Parallelism(world_size=2), device="sim:3584KiB")
+        assert trial.fits is fits
+
+
 def test_a_users_own_model_is_tried_as_one_rank_and_left_as_it_was() -> None:
     """find_max_batch_size/probe_batch_size with a parallelism: a sharded copy on meta, only the
     rank's shards allocated, the optimizer built again; the user's model, values and optimizer

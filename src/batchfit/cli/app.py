@@ -596,7 +596,9 @@ def _plan_sharded(
         raise InputError("a sharded plan traces one rank on a GPU preset: give --gpu (e.g. --gpu h100-80gb)")
     verifier = one_rank.verification_device(verify_on, sharded.capacity_of(gpu)[0]) if verify_on else None
     found = sharded.measure_per_rank(workload, gpu, seq_len, choices)
-    verified = one_rank.verify_plan(workload, seq_len, found, verifier) if verifier is not None else None
+    verified = None
+    if verifier is not None:  # a traced answer that fails its real trial gives way to the largest verified size
+        verified, found = one_rank.verify_plan(workload, seq_len, found, verifier)
     chosen, largest = sharded.choose_checkpointing(found, seq_len, gpu)
     result = planning(micro_batch_size=largest.batch_size, seq_len=seq_len, devices=choices[0].world_size)
     if result.gradient_accumulation_steps > 1:  # a later micro-batch runs with the window's sharded gradients

@@ -111,26 +111,44 @@ def verification_device(device: str, capacity_bytes: int) -> Any:
     return resolve_device(device, None)
 
 
-def verify_plan(workload: str, seq_len: int, found: list[tuple[Any, Any]], device: Any) -> list[dict[str, Any]]:
+def verify_plan(
+    workload: str, seq_len: int, found: list[tuple[Any, Any]], device: Any
+) -> tuple[list[dict[str, Any]], list[tuple[Any, Any]]]:
     """Confirm each activation-checkpointing choice's traced answer with one rank's real trials
     at that micro-batch and the one above (``verify_largest``), printed side by side with the fake
-    figures; the rows, JSON-ready."""
+    figures. A traced answer whose real trial failed is replaced by the largest size one rank's real
+    trials fit below it (``verified_batch_size``), and the line printed says so. Returns the rows,
+    JSON-ready, and ``found`` with the verified sizes."""
     from rich.table import Table
 
     from batchfit.cli.common import console
+    from batchfit.parallel.one_rank import verified_batch_size
     from batchfit.parallel.one_rank import verify_largest
 
-    rows = []
-    for _, largest in found:
+    rows, verified, notes = [], [], []
+    for parallelism, largest in found:
         with console.status(f"Real trials of one rank at micro-batch {max(largest.batch_size, 1)} and above"):
-            rows += [row.to_dict() for row in verify_largest(workload, seq_len, largest, device=device)]
+            checked = verify_largest(workload, seq_len, largest, device=device)
+        with console.status(f"Real trials of one rank below the traced {largest.batch_size}, where it did not fit"):
+            real = verified_batch_size(workload, seq_len, largest, checked, device=device)
+        rows += [row.to_dict() | {"verified_batch_size": real} for row in checked]
+        if real != largest.batch_size:
+            notes.append(
+                f"Activation checkpointing {parallelism.activation_checkpointing}: the traced micro-batch "
+                f"{largest.batch_size} did not fit in one rank's real trial; the largest that does is {real}, "
+                "and the plan uses it."
+            )
+            largest = dataclasses.replace(largest, batch_size=real)
+        verified.append((parallelism, largest))
     table = Table(title=f"Verified on {device.name}: one rank's real trials against the fake-tensor estimate")
     for column in ("checkpointing", "micro-batch", "fake peak", "real peak", "difference", "real trial"):
         table.add_column(column, justify="left" if column == "checkpointing" else "right")
     for row in rows:
         table.add_row(*_row_cells(row))
     console.print(table)
-    return rows
+    for note in notes:
+        console.print(f"[yellow]{note}[/]", highlight=False)
+    return rows, verified
 
 
 def verify_accumulating(

@@ -35,6 +35,7 @@ from batchfit.devices.trace import TraceDevice
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
 from batchfit.errors import ModelDoesNotFitError
+from batchfit.errors import NoBatchFitsError
 from batchfit.parallel.fit import PhaseLines
 from batchfit.parallel.models import ModelSpec
 from batchfit.parallel.models import model_builder
@@ -424,3 +425,47 @@ def verify_largest(
         )
         rows.append(Verification(batch_size, fake.peak_bytes if fake is not None else None, trial, parallelism))
     return rows
+
+
+def verified_batch_size(
+    model: ModelSpec,
+    seq_len: int,
+    found: Any,
+    rows: list[Verification],
+    *,
+    device: Any = None,
+    dtype: torch.dtype = torch.float32,
+    optimizer: OptimizerFactory | None = None,
+) -> int:
+    """The micro-batch a plan may use after ``verify_largest``'s ``rows``: the traced answer (``found``) where
+    its real trial fitted, else the largest size below it that one rank's real trials fit (a search capped at
+    the traced answer less one; 0 when not even 1 fits). A traced answer that failed for real is never used.
+
+    >>> from batchfit.parallel.fit import largest_batch_size
+    >>> from batchfit.parallel.models import TinyTransformer
+    >>> found = largest_batch_size(TinyTransformer, 16, "2MiB", parallelism=Parallelism(world_size=2))
+    >>> rows = verify_largest(TinyTransformer, 16, found, device="sim:1900KiB")
+    >>> [(row.batch_size, row.fits) for row in rows], verified_batch_size(TinyTransformer, 16, found, rows,
+    ...                                                                    device="sim:1900KiB")
+    ([(3, False), (4, False)], 2)
+    """
+    at = next((row for row in rows if row.batch_size == found.batch_size), None)
+    if at is None or at.fits:
+        return found.batch_size
+    if found.batch_size <= 1:
+        return 0
+    parallelism = found.estimate.parallelism
+    try:
+        result = find_rank_batch_size(
+            model,
+            seq_len,
+            parallelism=parallelism,
+            device=device,
+            dtype=dtype,
+            optimizer=optimizer,
+            max_batch_size=found.batch_size - 1,
+            trace=False,
+        )
+    except (ModelDoesNotFitError, NoBatchFitsError):
+        return 0
+    return result.batch_size
