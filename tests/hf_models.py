@@ -117,3 +117,35 @@ def workload(build, size: Size, name: str, lr: float = 3e-4) -> bf.Workload:
     """``build(size)`` as a batchfit Workload with AdamW, its loss the model's own ``output.loss``."""
     model, batch = build(size)
     return bf.Workload(model, batch, None, torch.optim.AdamW(model.parameters(), lr=lr), name=name)
+
+
+def vit(size: Size) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """ViT for 10-way image classification; ``size.seq`` is the image side, in 8-pixel patches."""
+    from transformers import ViTConfig
+    from transformers import ViTForImageClassification
+
+    torch.manual_seed(0)
+    config = ViTConfig(
+        image_size=size.seq,
+        patch_size=8,
+        hidden_size=size.width,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        intermediate_size=size.ffn,
+        num_labels=10,
+    )
+    pixels = torch.randn(size.rows, 3, size.seq, size.seq)
+    return ViTForImageClassification(config), {"pixel_values": pixels, "labels": torch.arange(size.rows) % 10}
+
+
+def resnet(size: Size) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """Hugging Face's ResNet (bottleneck blocks, batch norm) for 10-way classification: ``size.layers`` blocks
+    per stage, stages ``size.width`` to 8x as wide; ``size.seq`` is the image side."""
+    from transformers import ResNetConfig
+    from transformers import ResNetForImageClassification
+
+    torch.manual_seed(0)
+    widths = [size.width * 2**stage for stage in range(4)]
+    config = ResNetConfig(embedding_size=size.width, hidden_sizes=widths, depths=[size.layers] * 4, num_labels=10)
+    pixels = torch.randn(size.rows, 3, size.seq, size.seq)
+    return ResNetForImageClassification(config), {"pixel_values": pixels, "labels": torch.arange(size.rows) % 10}

@@ -18,6 +18,7 @@ from rich.table import Table
 from batchfit._version import versions
 from batchfit.cli import one_rank
 from batchfit.cli import sharded
+from batchfit.cli.common import AllocatorOption
 from batchfit.cli.common import AmpOption
 from batchfit.cli.common import CacheDir
 from batchfit.cli.common import Debug
@@ -220,6 +221,7 @@ def estimate(
     reserve: Annotated[
         str | None, typer.Option(help="Override the preset's per-process reserve, e.g. 500MiB or 0.")
     ] = None,
+    allocator: AllocatorOption = None,
     batch_size: Annotated[int | None, typer.Option(help="Say whether this batch size fits, and break it down.")] = None,
     seq_len: SeqLen = None,
     image_size: ImageSize = None,
@@ -259,7 +261,7 @@ def estimate(
         return
     reserve_bytes = None if reserve is None else parse_bytes(reserve, what="reserve", allow_zero=True)
     label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
-    tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes)
+    tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes, allocator=allocator.value if allocator else None)
     work, options = load_for_cli(workload, seq_len, image_size, amp, keep_output=keep_output)
     check_outputs(json_path, plot)
     label = label or f"a {format_bytes(tracer.capacity_bytes())} device"
@@ -324,9 +326,13 @@ def _print_estimate(largest: Any, breakdown: Any, batch_size: int | None) -> Non
     if batch_size is not None:
         verdict = {True: "fits", False: "does not fit", None: "may not fit"}[breakdown.fits]
         at_least = "at least " if undercounted else ""
+        reserved = breakdown.reserved_peak_bytes
+        by_allocator = f", {format_bytes(reserved)} reserved by the caching allocator" if reserved is not None else ""
+        if breakdown.served is False and breakdown.peak_bytes <= breakdown.capacity_bytes:
+            by_allocator = ": the caching allocator cannot serve every request (fragmentation)"
         console.print(
             f"Batch size {batch_size} {verdict}: peak {at_least}{format_bytes(breakdown.peak_bytes)} of "
-            f"{format_bytes(breakdown.capacity_bytes)}.",
+            f"{format_bytes(breakdown.capacity_bytes)}{by_allocator}.",
             highlight=False,
         )
     what = "the trace allows (an upper bound)" if undercounted else "that fits"
@@ -334,6 +340,11 @@ def _print_estimate(largest: Any, breakdown: Any, batch_size: int | None) -> Non
         f"[bold green]Largest batch size {what}: {largest.batch_size} "
         f"(estimated from {len(largest.trials)} traced trials, {largest.seconds:.1f} s).[/]"
     )
+    if breakdown.allocator != "exact":
+        console.print(
+            f"The fit is the caching allocator's ({breakdown.allocator}, modelled: --allocator chooses).",
+            highlight=False,
+        )
 
 
 @app.command("optimal", epilog="Example: batchfit optimal cnn-small --device sim:512MiB --tolerance 0.05 --plot t.png")

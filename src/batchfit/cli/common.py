@@ -50,6 +50,22 @@ class Amp(str, Enum):
     fp16 = "fp16"
 
 
+class Allocator(str, Enum):
+    exact = "exact"
+    cuda = "cuda"
+    cuda_expandable = "cuda-expandable"
+
+
+AllocatorOption = Annotated[
+    Allocator | None,
+    typer.Option(
+        help="What decides a fit: cuda (PyTorch's caching allocator, modelled with this process's "
+        "PYTORCH_CUDA_ALLOC_CONF; a GPU preset's default), cuda-expandable (with expandable_segments:True), "
+        "or exact (the live bytes; a --capacity's default)."
+    ),
+]
+
+
 class Framework(str, Enum):
     torch = "torch"
     mlx = "mlx"

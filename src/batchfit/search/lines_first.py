@@ -124,7 +124,10 @@ class LinesFirst:
             self.expandable_edge = self._expandable_edge(lines, space, high.batch_size)
             return self._hand_over(guess=self.edge) if self.verify else None
         aim = self._edge(lines.at(high.batch_size).bounded(), space, high.batch_size)
-        return self._hand_over(min(max(aim, high.batch_size + 1), space.max_batch_size))
+        # With a caching allocator, Auto's own model (lines through the live bytes) would aim past the
+        # allocator's edge: the lines' replayed edge is its estimate instead.
+        guess = self._edge(lines, space, high.batch_size) if self.counter.allocator is not None else None
+        return self._hand_over(min(max(aim, high.batch_size + 1), space.max_batch_size), guess=guess)
 
     def _edge(self, lines: StorageLines, space: SearchSpace, fitting: int) -> int:
         """The largest size whose live bytes stay within the limit and, where the device models a caching

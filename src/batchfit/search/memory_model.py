@@ -53,7 +53,24 @@ class MemoryModel:
         fitted = sorted((t for t in trials if t.fits and t.phase_peak_bytes), key=lambda t: t.batch_size)
         if not fitted:
             return None
-        return cls._from_timelines(fitted) or cls._from_phases(fitted)
+        return (cls._from_timelines(fitted) or cls._from_phases(fitted)).with_reserved_line(fitted)
+
+    def with_reserved_line(self, fitted: list[Trial]) -> MemoryModel:
+        """One more line, through the caching allocator's reserved peaks of the smallest and the largest fitted
+        trials where the device reports them (far apart: reserved bytes grow in whole segments): on a GPU the
+        reserved bytes reach the capacity first, so the edge the model aims at is the allocator's."""
+        points = {t.batch_size: t.reserved_peak_bytes for t in fitted if t.reserved_peak_bytes is not None}
+        if len(points) < 2:
+            return self
+        ordered = sorted(points.items())
+        (low, low_bytes), (high, high_bytes) = ordered[0], ordered[-1]
+        slope = (high_bytes - low_bytes) / (high - low)
+        anchor = high_bytes + slope * (self.anchor_batch_size - high)
+        return dataclasses.replace(
+            self,
+            anchor_bytes=np.append(self.anchor_bytes, anchor),
+            slope_bytes=np.append(self.slope_bytes, slope),
+        )
 
     @classmethod
     def _from_timelines(cls, fitted: list[Trial]) -> MemoryModel | None:
@@ -173,10 +190,10 @@ class StorageLines:
         return StorageLines(base, slopes, self.rounded)
 
     def at(self, batch_size: int) -> StorageLines:
-        """The same lines, based at ``batch_size``: its predicted storages and timeline."""
-        base = self.base
-        record = StorageRecord(
-            batch_size, base.born, base.freed, self._sizes(batch_size), self.timeline(batch_size), base.peak_bytes
+        """The same lines, based at ``batch_size``: its predicted storages and timeline (the order of requests
+        and the allocator's starting state stay the base trial's)."""
+        record = dataclasses.replace(
+            self.base, batch_size=batch_size, nbytes=self._sizes(batch_size), timeline=self.timeline(batch_size)
         )
         return StorageLines(record, self.slope_bytes, self.rounded)
 

@@ -258,13 +258,16 @@ def _plan(workload: Any, settings: SearchSettings, device: DeviceSpec) -> _Plan:
 
 def _strategy(backend: SearchBackend, device: Device, wanted: str | Strategy, agreeing: bool) -> Strategy:
     """The strategy asked for; ``"auto"``: the backend's default, which begins with the storages'
-    lines (``LinesFirst``) on a device that counts every storage, unless ranks must agree (each
-    rank's storages could differ, and every rank must propose the same sizes)."""
+    lines (``LinesFirst``) on a device that counts every storage (on a trace device, where it models a
+    caching allocator: the lines replay its requests), unless ranks must agree (each rank's storages
+    could differ, and every rank must propose the same sizes)."""
     if not _is_auto(wanted):
         return make_strategy(wanted)
     strategy = make_strategy(backend.auto_strategy(device))
     counter = getattr(device, "counter", None)
-    if isinstance(strategy, Auto) and isinstance(counter, LiveBytes) and not backend.is_trace(device) and not agreeing:
+    if not isinstance(strategy, Auto) or not isinstance(counter, LiveBytes) or agreeing:
+        return strategy
+    if not backend.is_trace(device) or counter.allocator is not None:  # fake trials replay the allocator's lines
         return LinesFirst(counter, verify=True)
     return strategy
 
