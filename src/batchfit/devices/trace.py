@@ -105,24 +105,37 @@ def trace_capacity_bytes(capacity: int | str, reserve_bytes: int | None = None) 
 
 class _FakeWorkloadBuilder:
     """Copies a workload with fake tensors in place of real ones: nothing copied for real but the
-    values the step may ask about (the sample and small buffers, see ``fake_values.SHADOW_MAX_BYTES``)."""
+    values the step may ask about (the sample and small buffers, see ``fake_values.SHADOW_MAX_BYTES``).
 
-    def __init__(self, mode: TraceFakeMode):
+    The model's and the optimizer's fakes are made on ``device`` (the trace's) from a meta description of
+    each tensor, wherever the real one lives (a GPU, ``meta``): the copy never moves (``Module.to`` would swap
+    parameters, which torch refuses for one a weak reference points at), and the real tensors are only read."""
+
+    def __init__(self, mode: TraceFakeMode, device: torch.device):
         self.mode = mode
+        self.device = device
 
     def fake(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.mode.from_tensor(tensor, static_shapes=True)
+        if tensor.device == self.device:
+            return self.mode.from_tensor(tensor, static_shapes=True)
+        with torch.no_grad():
+            meta = tensor.detach().to("meta")
+        return self.mode.fake_tensor_converter.from_meta_and_device(self.mode, meta, self.device)
 
     def data(self, tensor: torch.Tensor) -> torch.Tensor:
         """A fake of a tensor the step may ask for values (the sample, a buffer), with a real copy
-        of them when small (see ``TraceFakeMode.keep_copy``)."""
+        of them when small (see ``TraceFakeMode.keep_copy``; a ``meta`` tensor has none)."""
         fake = self.fake(tensor)
-        self.mode.keep_copy(fake, tensor)
+        if tensor.device.type != "meta":
+            self.mode.keep_copy(fake, tensor)
         return fake
 
     def constant(self, tensor: torch.Tensor) -> torch.Tensor:
-        # Scalars such as Adam's `step` must answer .item(): a constant fake, built from a clone
-        # because constant propagation writes into the tensor it was made from.
+        # Scalars such as Adam's `step` must answer .item(): a constant fake, built from a host clone
+        # because constant propagation writes into the tensor it was made from. One that lives with its
+        # parameter (a capturable or fused optimizer's) is a plain fake on the trace's device.
+        if tensor.device.type != "cpu":
+            return self.fake(tensor)
         return self.mode.fake_tensor_converter.from_real_tensor(self.mode, tensor.clone(), make_constant=True)
 
     def memo(self, work: Workload) -> dict[int, torch.Tensor]:
@@ -228,9 +241,11 @@ class TraceDevice(CountingDevice):
         that cannot be copied (a lock, a generator, a tensor kind fake tensors lack) is a
         ``TraceError``: the real device needs no copy."""
         try:
-            return _FakeWorkloadBuilder(self.fake_mode).build(super().prepare(workload))
+            return _FakeWorkloadBuilder(self.fake_mode, self.torch_device).build(super().prepare(workload))
         except Exception as error:
             raise trace_error(error) from error
+        finally:
+            _forget_real_tensors(self.fake_mode)
 
     @contextlib.contextmanager
     def measuring(self, uncounted: Iterable[torch.Tensor] = ()) -> Iterator[None]:
@@ -240,6 +255,18 @@ class TraceDevice(CountingDevice):
             _TRACED.append(True)  # this process has paid the fake mode's start-up (see traced_before)
         with self.fake_mode, self.counter.mode(uncounted), watch:
             yield
+
+
+def _forget_real_tensors(mode: TraceFakeMode) -> None:
+    """Drop the fake mode's weak references to the real tensors it copied: a parameter a weak reference
+    points at cannot be swapped (``torch.utils.swap_tensors``, which ``Module.to`` uses for tensor subclasses
+    and under ``torch.__future__.set_swap_module_params_on_conversion``), and the user's model must come out
+    of a trace as it went in. (torch's ``MetaConverter`` keeps them in its describer's lookups.)"""
+    describer = getattr(getattr(mode.fake_tensor_converter, "meta_converter", None), "describer", None)
+    for name in ("lookup_tensor", "lookup_storage"):
+        lookup = getattr(describer, name, None)
+        if lookup is not None:
+            lookup.clear()
 
 
 _TRACED: list[bool] = []  # one entry once any trace ran in this process; read by traced_before()
