@@ -264,7 +264,7 @@ def test_estimate_on_a_gpu_preset_prints_the_answer_and_the_breakdown(tmp_path):
         "estimate", "mlp", "--gpu", "a100-40gb", "--batch-size", "64", "--json", str(out_json), "--plot", str(out_png)
     )
     assert result.exit_code == 0, result.output
-    assert "on NVIDIA A100 40GB (39.7 GiB usable), traced on fake tensors: nothing runs on a GPU." in result.output
+    assert "on NVIDIA A100 40GB (38.8 GiB usable), traced on fake tensors: nothing runs on a GPU." in result.output
     for row in ("parameters", "gradients", "optimizer state", "activations", "batch", "temporaries", "total (peak)"):
         assert row in result.output
     assert "Batch size 64 fits: peak " in result.output

@@ -21,6 +21,7 @@ from batchfit.cli.examples import gpt_tiny
 from batchfit.cli.examples import mlp
 from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.caching_allocator import CachingAllocator
+from batchfit.devices.cuda_kernels import CudaTarget
 from batchfit.devices.presets import ACCELERATORS
 from batchfit.devices.presets import CUDA_RESERVE_BYTES
 from batchfit.devices.presets import preset
@@ -299,10 +300,17 @@ def test_presets_subtract_the_cuda_context_reserve():
         "mi300x-192gb",
     }
     assert names <= set(ACCELERATORS) and any(name.startswith("apple-") for name in ACCELERATORS)
-    assert preset("A100-40GB").usable_bytes == 40 * 2**30 - CUDA_RESERVE_BYTES
-    assert usable_bytes("a100-40gb", reserve_bytes=0) == 40 * 2**30
-    assert TraceDevice("h100-80gb").capacity_bytes() == 80 * 2**30 - CUDA_RESERVE_BYTES
-    assert TraceDevice("h100-80gb", reserve_bytes=2**30).capacity_bytes() == 79 * 2**30
+    # the driver's totals, never the nominal capacity: measured on the H100 and the H200 (shared/notes/real-gpu.md)
+    assert preset("h100-80gb").memory_bytes == 85_017_493_504 < 80 * 2**30
+    assert preset("h200-141gb").memory_bytes == 150_109_880_320 < 141 * 2**30
+    assert preset("h100-80gb").usable_bytes == 84_393_787_392  # free + reserved after start-up, as measured
+    assert preset("h200-141gb").usable_bytes == 149_555_380_224
+    assert preset("A100-40GB").usable_bytes == 40320 * 2**20 - CUDA_RESERVE_BYTES
+    assert usable_bytes("a100-40gb", reserve_bytes=0) == 40320 * 2**20
+    assert TraceDevice("h100-80gb").capacity_bytes() == preset("h100-80gb").usable_bytes
+    assert TraceDevice("h100-80gb", reserve_bytes=2**30).capacity_bytes() == 85_017_493_504 - 2**30
+    cuda = [accelerator for name, accelerator in ACCELERATORS.items() if not name.startswith("apple")]
+    assert all(a.source and a.memory_bytes < int(a.name.split("-")[-1][:-2]) * 2**30 for a in cuda)
     with pytest.raises(ValueError, match="unknown GPU 'a200'.*a100-40gb"):
         preset("a200")
 
@@ -329,24 +337,28 @@ A100_BYTES = usable_bytes("a100-40gb")
 
 
 @pytest.mark.parametrize(
-    "device",
+    ("device", "gpu"),
     [
-        TraceDevice("a100-40gb"),
-        "a100-40gb",
-        "trace:a100-40gb",
-        "sim:" + str(A100_BYTES),
-        bf.SimulatedDevice(A100_BYTES),
-        A100_BYTES,
-        f"{A100_BYTES}B",
+        (TraceDevice("a100-40gb"), True),
+        ("a100-40gb", True),
+        ("trace:a100-40gb", True),
+        ("sim:" + str(A100_BYTES), False),
+        (bf.SimulatedDevice(A100_BYTES), False),
+        (A100_BYTES, False),
+        (f"{A100_BYTES}B", False),
     ],
     ids=["TraceDevice", "preset", "trace:", "sim:", "SimulatedDevice", "bytes", "size"],
 )
-def test_estimate_memory_takes_every_form_of_device(device):
+def test_estimate_memory_takes_every_form_of_device(device, gpu):
+    """A preset traces what its GPU (an A100: sm80) runs; a capacity alone traces the CPU's step."""
     model, batch, optimizer = _linear_and_batch()
     estimate = bf.estimate_memory(model, batch, 32, loss_fn=F.mse_loss, optimizer=optimizer, device=device)
-    reference = bf.estimate_memory(model, batch, 32, loss_fn=F.mse_loss, optimizer=optimizer)
+    as_gpu = TraceDevice(A100_BYTES, target=CudaTarget(sm=(8, 0)), allocator="cuda")
+    reference = bf.estimate_memory(
+        model, batch, 32, loss_fn=F.mse_loss, optimizer=optimizer, device=as_gpu if gpu else None
+    )
     assert estimate.capacity_bytes == A100_BYTES and estimate.fits is True
-    assert estimate.peak_bytes == reference.peak_bytes and reference.capacity_bytes is None and reference.fits is None
+    assert estimate.peak_bytes == reference.peak_bytes and estimate.breakdown == reference.breakdown
 
 
 def test_estimate_memory_measures_past_the_capacity_and_leaves_the_device_alone():

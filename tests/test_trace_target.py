@@ -12,7 +12,11 @@ import torch
 from torch import nn
 
 import batchfit as bf
+from batchfit.devices.cuda_kernels import CudaTarget
+from batchfit.devices.cuda_kernels import choose_backend
+from batchfit.devices.trace import TraceDevice
 from batchfit.errors import TraceError
+from batchfit.search.runner import probe_workload
 
 
 def model_and_batch(device: str = "cpu") -> tuple[nn.Module, torch.Tensor, torch.optim.Optimizer]:
@@ -90,3 +94,134 @@ def test_a_failed_estimate_leaves_the_model_and_optimizer_bitwise_as_they_were()
     assert all(torch.equal(m, s["exp_avg"]) for m, s in zip(moments, optimizer.state.values(), strict=True))
     assert not any(weakref.getweakrefcount(p) for p in model.parameters())
     before.restore()
+
+
+# -- a trace for a GPU runs what the GPU runs ------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """One attention layer through ``F.scaled_dot_product_attention``, with dropout as GPT-2 trains."""
+
+    def __init__(self, width: int = 64, heads: int = 4, dropout: float = 0.1):
+        super().__init__()
+        self.qkv, self.heads, self.dropout = nn.Linear(width, 3 * width), heads, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+
+def traced(
+    model: nn.Module, batch: torch.Tensor, rows: int, device: TraceDevice, **options
+) -> tuple[bf.Trial, TraceDevice]:
+    work = bf.Workload(
+        model, batch, lambda out, b: out.float().pow(2).mean(), torch.optim.AdamW(model.parameters()), **options
+    )
+    tracer = device.unlimited()
+    return probe_workload(work, rows, device=tracer), tracer
+
+
+def test_cuda_picks_its_attention_kernel_by_dtype_mask_and_dropout():
+    half, single = torch.zeros(2, 12, 1024, 64, dtype=torch.bfloat16), torch.zeros(2, 12, 1024, 64)
+    mask = torch.ones(2, 1, 1024, 1024, dtype=torch.bool)
+    h100, a100, t4 = CudaTarget(sm=(9, 0)), CudaTarget(sm=(8, 0)), CudaTarget(sm=(7, 5))
+    assert choose_backend(h100, half, half, half, p=0.1, causal=True) == "flash"
+    assert choose_backend(h100, single, single, single) == "efficient"  # flash takes 16 bits only
+    assert choose_backend(a100, half, half, half, mask=mask) == "efficient"  # flash takes no mask
+    fp16 = half.half()
+    assert choose_backend(t4, fp16, fp16, fp16) == "efficient"  # flash needs sm80
+    assert choose_backend(t4, half, half, half) == "math"  # and below sm80 the efficient kernel takes no bf16
+    new_cudnn = CudaTarget(sm=(9, 0), cudnn_version=91900)
+    assert choose_backend(new_cudnn, half, half, half, causal=True) == "cudnn"  # preferred past cuDNN 9.15 on sm90
+    assert choose_backend(new_cudnn, half, half, half, p=0.1) == "flash"  # cuDNN's dropout comes in sixteenths
+
+
+def test_a_gpu_trace_keeps_no_score_matrix_where_cuda_runs_flash_attention():
+    """On the CPU, attention with dropout keeps three fp32 batch x heads x seq x seq tensors for backward; CUDA's
+    flash kernel keeps the output and a log-sum-exp."""
+    torch.manual_seed(0)
+    model, batch = Attention(), torch.randn(2, 256, 64)
+    cpu, _ = traced(model, batch, 8, TraceDevice("40GiB"), amp_dtype="bf16")
+    gpu, tracer = traced(model, batch, 8, TraceDevice("h100-80gb"), amp_dtype="bf16")
+    scores, workspaces = 8 * 4 * 256 * 256 * 4, 2 * 32 * 2**20  # one fp32 score matrix; cuBLAS's, on Hopper
+    assert set(tracer.attention_kernels) == {"flash"}
+    assert gpu.peak_bytes - workspaces < cpu.peak_bytes - 2 * scores
+    real = torch.randn(2, 4, 16, 8, requires_grad=True)
+    out = torch.nn.functional.scaled_dot_product_attention(real, real, real)
+    assert "ForCpu" in type(out.grad_fn).__name__  # the override ended with the trace
+
+
+def test_the_gpu_kernels_hold_in_the_recompute_of_activation_checkpointing():
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Attention()
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+    _, tracer = traced(Checkpointed(), torch.randn(2, 64, 64), 4, TraceDevice("h100-80gb"), amp_dtype="bf16")
+    assert tracer.attention_kernels.count("flash") >= 2  # forward and recompute, no CheckpointError
+
+
+def test_a_gpu_trace_casts_by_cudas_autocast_lists():
+    """CUDA runs layer_norm and pow in fp32 under bf16 autocast; the CPU keeps them in bf16. Real autocast on the
+    CPU is left as it was."""
+    seen: list[torch.dtype] = []
+    model = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32))
+    model[1].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    for device in (TraceDevice("40GiB"), TraceDevice("a100-40gb")):
+        traced(model, torch.randn(2, 32), 4, device, amp_dtype="bf16")
+    assert (seen[0], seen[-1]) == (torch.bfloat16, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(torch.randn(2, 32)).dtype == torch.bfloat16
+
+
+def test_a_gpu_trace_keeps_dropouts_boolean_mask_and_runs_the_optimizer_foreach():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Dropout(0.5), nn.Linear(256, 256))
+    optimizer = torch.optim.AdamW(model.parameters())
+    cpu = bf.estimate_memory(model, torch.randn(2, 256), 512, loss_fn=loss, optimizer=optimizer, device="1GiB")
+    gpu = bf.estimate_memory(model, torch.randn(2, 256), 512, loss_fn=loss, optimizer=optimizer, device="a100-40gb")
+    noise, mask = 512 * 256 * 4, 512 * 256  # fp32 noise on the CPU, one byte an element on CUDA
+    assert cpu.breakdown["activations"] - gpu.breakdown["activations"] == noise - mask
+    assert optimizer.param_groups[0]["foreach"] is None  # the user's optimizer is not touched
+    tracer = TraceDevice("a100-40gb")
+    fake = tracer.prepare(bf.Workload(model, torch.randn(2, 256), loss, optimizer))
+    assert fake.optimizer.param_groups[0]["foreach"] is True  # as torch picks it for CUDA tensors
+
+
+def test_a_gpu_trace_counts_cublas_workspaces_and_names_what_only_the_card_sizes():
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.LazyLinear(4))
+    conv(torch.randn(1, 3, 16, 16))
+    estimate = bf.estimate_memory(conv, torch.randn(2, 3, 16, 16), 8, loss_fn=loss, device="h100-80gb")
+    assert estimate.breakdown["temporaries"] >= 2 * 32 * 2**20  # one 32 MiB workspace per cuBLAS handle (Hopper)
+    assert any("cuDNN's convolution workspaces" in note for note in estimate.not_counted)
+    assert "not counted: cuDNN's convolution workspaces" in estimate.summary()
+    lstm = nn.LSTM(8, 16, batch_first=True)
+    with pytest.warns(UserWarning, match="mkldnn_rnn_layer"):
+        guess = bf.estimate_memory(
+            lstm, torch.randn(2, 5, 8), 4, loss_fn=lambda out, b: out[0].sum(), device="h100-80gb"
+        )
+    assert guess.undercounted_ops == ("aten::mkldnn_rnn_layer",) and guess.fits is None  # cuDNN sizes its reserve
+
+
+def test_transformers_packed_sequence_check_answers_on_fake_tensors_as_on_real_ones():
+    """Without a cache, transformers asks the position ids whether sequences are packed; on fake tensors it used to
+    give up and build an explicit causal mask (and Llama repeated its keys), so a GPU trace ran the wrong kernel."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 32))
+    work = bf.Workload(
+        model, {"input_ids": ids, "labels": ids}, None, torch.optim.AdamW(model.parameters()), amp_dtype="bf16"
+    )
+    tracer = TraceDevice("h100-80gb").unlimited()
+    probe_workload(work, 2, device=tracer)
+    assert set(tracer.attention_kernels) == {"flash"}  # no mask: is_causal, and GQA's keys not repeated

@@ -42,9 +42,17 @@ from batchfit.devices.allocator_settings import AllocatorSettings
 from batchfit.devices.allocator_settings import allocator_label
 from batchfit.devices.allocator_settings import resolve_allocator
 from batchfit.devices.base import CountingDevice
+from batchfit.devices.cuda_autocast import cuda_autocast
+from batchfit.devices.cuda_kernels import CUBLAS_HANDLES
+from batchfit.devices.cuda_kernels import CudaScratch
+from batchfit.devices.cuda_kernels import CudaTarget
+from batchfit.devices.cuda_kernels import cublas_workspace_bytes
+from batchfit.devices.cuda_kernels import cuda_attention
+from batchfit.devices.cuda_kernels import cuda_dropout
 from batchfit.devices.fake_values import TraceFakeMode
 from batchfit.devices.presets import ACCELERATORS
 from batchfit.devices.presets import is_preset
+from batchfit.devices.presets import preset
 from batchfit.devices.presets import usable_bytes
 from batchfit.devices.simulated import CUDA_BLOCK_BYTES
 from batchfit.devices.simulated import SimulatedDevice
@@ -52,6 +60,7 @@ from batchfit.devices.simulated import modelled_allocator
 from batchfit.devices.trace_errors import is_users_error
 from batchfit.devices.trace_errors import trace_error
 from batchfit.devices.trace_errors import tracing
+from batchfit.devices.transformers_checks import packed_sequence_check
 from batchfit.devices.undercounts import UNDERCOUNTING_OPS
 from batchfit.devices.undercounts import UndercountWatch
 from batchfit.devices.undercounts import lstm_workspace_bytes
@@ -66,6 +75,7 @@ __all__ = [  # with the names moved to trace_errors and undercounts that callers
     "TRACE_DEVICE_HELP",
     "UNDERCOUNTING_OPS",
     "UNLIMITED_BYTES",
+    "WORKSPACES",
     "TraceDevice",
     "as_trace_device",
     "is_users_error",
@@ -77,6 +87,7 @@ __all__ = [  # with the names moved to trace_errors and undercounts that callers
     "undercount_message",
 ]
 
+WORKSPACES = "workspaces"  # the ledger's role of what a GPU's libraries hold beside the tensors (cuBLAS)
 UNLIMITED_BYTES = 1 << 60  # a capacity no trace reaches: an estimate measures the whole peak
 TRACE_DEVICE_HELP = (
     "give a TraceDevice or SimulatedDevice, 'trace:CAPACITY' or 'sim:CAPACITY' (e.g. 'sim:40GiB'), "
@@ -88,6 +99,14 @@ def is_cuda_preset(capacity: object) -> bool:
     """Whether ``capacity`` names a GPU that runs PyTorch's CUDA caching allocator (NVIDIA, and AMD's ROCm,
     whose HIP allocator is the same code); Apple's presets run MPS's own."""
     return isinstance(capacity, str) and is_preset(capacity) and not capacity.strip().lower().startswith("apple")
+
+
+def target_of(capacity: object) -> CudaTarget | None:
+    """The GPU a trace for ``capacity`` runs for: an NVIDIA or AMD preset's compute capability, else ``None``
+    (a capacity in bytes says nothing of the kernels: the trace runs the CPU's)."""
+    if not is_cuda_preset(capacity):
+        return None
+    return CudaTarget(sm=preset(capacity).compute_capability)
 
 
 def trace_capacity_bytes(capacity: int | str, reserve_bytes: int | None = None) -> int:
@@ -111,9 +130,10 @@ class _FakeWorkloadBuilder:
     each tensor, wherever the real one lives (a GPU, ``meta``): the copy never moves (``Module.to`` would swap
     parameters, which torch refuses for one a weak reference points at), and the real tensors are only read."""
 
-    def __init__(self, mode: TraceFakeMode, device: torch.device):
+    def __init__(self, mode: TraceFakeMode, device: torch.device, foreach: bool = False):
         self.mode = mode
         self.device = device
+        self.foreach = foreach  # the copy's optimizer runs foreach where torch would pick it for CUDA tensors
 
     def fake(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device == self.device:
@@ -158,8 +178,20 @@ class _FakeWorkloadBuilder:
         memo = self.memo(work)
         model = copy.deepcopy(work.model, memo)
         optimizer = copy.deepcopy(work.optimizer, memo) if work.optimizer is not None else None
+        if optimizer is not None and self.foreach:
+            _foreach_as_on_cuda(optimizer)
         sample = map_tensors(self.data, work.sample_batch)
         return dataclasses.replace(work, model=model, optimizer=optimizer, sample_batch=sample)
+
+
+def _foreach_as_on_cuda(optimizer: torch.optim.Optimizer) -> None:
+    """torch's ``_default_to_fused_or_foreach`` (``torch/optim/optimizer.py``): where ``foreach`` and ``fused`` are
+    left unset, plain parameters on CUDA run the ``foreach`` implementation, whose ``step`` holds a temporary as large
+    as a whole group of them (``_foreach_sqrt`` of Adam's second moments). Fake parameters fail its type check, so
+    the copy's groups say it outright."""
+    for group in optimizer.param_groups:
+        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+            group["foreach"] = True
 
 
 class TraceDevice(CountingDevice):
@@ -172,7 +204,12 @@ class TraceDevice(CountingDevice):
     allocator could serve every request, fragmentation included; ``"cuda-expandable"`` the same with
     expandable segments; ``"exact"`` (the default for a capacity in bytes) counts live bytes. ``reserved=True``
     is the old name of ``allocator="cuda"``. ``device`` is where the fake tensors claim to be (the real
-    device's type, so autocast picks the same kernels); the fake kernels run on the CPU.
+    device's type, so autocast picks the same kernels); the fake kernels run on the CPU. ``target`` (a
+    ``CudaTarget``; by default the preset's, for an NVIDIA or AMD preset) makes the trace run what that GPU runs
+    where the CPU would run something else: scaled-dot-product attention takes the kernel CUDA would choose and
+    dropout CUDA's fused kernel (``batchfit.devices.cuda_kernels``), autocast casts by CUDA's lists
+    (``batchfit.devices.cuda_autocast``), and an optimizer that leaves ``foreach`` and ``fused`` unset runs
+    ``foreach``, as torch picks it for CUDA tensors.
 
     >>> TraceDevice("40GiB").capacity_bytes() == 40 * 2**30
     True
@@ -191,8 +228,10 @@ class TraceDevice(CountingDevice):
         reserve_bytes: int | None = None,
         device: torch.device | str = "cpu",
         allocator: str | AllocatorSettings | None = None,
+        target: CudaTarget | None = None,
     ):
         self._capacity_bytes = trace_capacity_bytes(capacity, reserve_bytes)
+        self.target = target if target is not None else target_of(capacity)
         label = capacity if isinstance(capacity, str) and is_preset(capacity) else format_bytes(self._capacity_bytes)
         default = "cuda" if is_cuda_preset(capacity) or reserved else "exact"
         self.allocator_settings = resolve_allocator(default if allocator is None else allocator)
@@ -208,6 +247,8 @@ class TraceDevice(CountingDevice):
         super().__init__(name, torch.device(device), counter)
         self.fake_mode = TraceFakeMode()
         self._undercounted: dict[str, None] = {}  # ordered like first seen
+        self.attention_kernels: list[str] = []  # the SDPA kernels the target ran, one per call
+        self._not_counted: dict[str, None] = {}  # what only the target card can size, ordered like first seen
 
     @property
     def undercounted_ops(self) -> tuple[str, ...]:
@@ -222,6 +263,24 @@ class TraceDevice(CountingDevice):
     def capacity_bytes(self) -> int:
         return self._capacity_bytes
 
+    @property
+    def not_counted(self) -> tuple[str, ...]:
+        """What a trace for a GPU ran that only the card can size (cuDNN's convolution workspaces), in words."""
+        return tuple(self._not_counted)
+
+    def _cuda_workspaces(self) -> list[torch.Tensor]:
+        """cuBLAS's workspaces (one per handle: the forward's thread and autograd's), which the first matmul takes
+        from the caching allocator and keeps: counted from the start of the step, in the role ``WORKSPACES``."""
+        ledger = self.counter.ledger
+        tag = ledger.tag if ledger is not None else None
+        if ledger is not None:
+            ledger.tag = WORKSPACES  # never taken for activations; an estimate reports them with the temporaries
+        nbytes = cublas_workspace_bytes(self.target.sm)
+        held = [torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device) for _ in range(CUBLAS_HANDLES)]
+        if ledger is not None:
+            ledger.tag = tag
+        return held
+
     def unlimited(self) -> TraceDevice:
         """A fresh TraceDevice like this one (rounding, allocator, device type) with no
         capacity limit, so a trace measures the whole peak; this device is left as it is.
@@ -234,6 +293,7 @@ class TraceDevice(CountingDevice):
             rounding_bytes=self.counter.rounding_bytes,
             device=self.torch_device,
             allocator=self.allocator_settings or "exact",
+            target=self.target,
         )
 
     def prepare(self, workload: Workload) -> Workload:
@@ -241,7 +301,8 @@ class TraceDevice(CountingDevice):
         that cannot be copied (a lock, a generator, a tensor kind fake tensors lack) is a
         ``TraceError``: the real device needs no copy."""
         try:
-            return _FakeWorkloadBuilder(self.fake_mode, self.torch_device).build(super().prepare(workload))
+            builder = _FakeWorkloadBuilder(self.fake_mode, self.torch_device, foreach=self.target is not None)
+            return builder.build(super().prepare(workload))
         except Exception as error:
             raise trace_error(error) from error
         finally:
@@ -249,12 +310,25 @@ class TraceDevice(CountingDevice):
 
     @contextlib.contextmanager
     def measuring(self, uncounted: Iterable[torch.Tensor] = ()) -> Iterator[None]:
-        # The workspaces computed for the fake (CPU) kernels are the CPU's: a trace for a GPU only records.
-        watch = UndercountWatch(self._undercounted, complete=self.torch_device.type == "cpu")
+        # The workspaces computed for the fake (CPU) kernels are the CPU's: a trace for a GPU only records
+        # (a CUDA LSTM keeps cuDNN's reserve space instead, which only the card sizes).
+        watch = UndercountWatch(self._undercounted, complete=self.torch_device.type == "cpu" and self.target is None)
         if not _TRACED:
             _TRACED.append(True)  # this process has paid the fake mode's start-up (see traced_before)
-        with self.fake_mode, self.counter.mode(uncounted), watch:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(packed_sequence_check(self.fake_mode))
+            if self.target is not None:  # what the GPU runs where the CPU would run something else
+                stack.enter_context(cuda_attention(self.fake_mode, self.target, self.attention_kernels))
+                stack.enter_context(cuda_dropout(self.fake_mode))
+                stack.enter_context(cuda_autocast(self.fake_mode))
+            stack.enter_context(self.fake_mode)
+            stack.enter_context(self.counter.mode(uncounted))
+            stack.enter_context(watch)
+            held = self._cuda_workspaces() if self.target is not None else ()
+            if self.target is not None:
+                stack.enter_context(CudaScratch(self._not_counted))
             yield
+            del held
 
 
 def _forget_real_tensors(mode: TraceFakeMode) -> None:

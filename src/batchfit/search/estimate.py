@@ -25,6 +25,7 @@ from batchfit.devices.allocator_replay import replay
 from batchfit.devices.allocator_settings import allocator_label
 from batchfit.devices.simulated import SimulatedDevice
 from batchfit.devices.trace import UNLIMITED_BYTES
+from batchfit.devices.trace import WORKSPACES
 from batchfit.devices.trace import TraceDevice
 from batchfit.devices.trace import as_trace_device
 from batchfit.devices.trace import tracing
@@ -82,10 +83,14 @@ class MemoryEstimate:
     """The traced peak at ``batch_size`` and what it is made of, at the moment of the peak.
 
     ``breakdown`` has the keys parameters, gradients, optimizer_state, activations, batch and
-    temporaries, and sums to ``peak_bytes``; ``peak_phase`` is where the peak happens.
+    temporaries (with, for a GPU, the workspaces cuBLAS and the attention kernels take), and sums to ``peak_bytes``; ``peak_phase`` is where the peak happens.
     ``undercounted_ops`` names the ops whose fake kernels make less memory than the real ones by
     an amount the trace cannot compute (the CPU LSTM's workspace is computed for fp32 and bf16,
     not for other dtypes): while it is not empty the peak is a lower bound.
+
+    ``not_counted`` names, in words, what a trace for a GPU ran that only the card can size (cuDNN's
+    convolution workspaces): the real peak is higher by that much, and ``fits`` is no verdict where it
+    matters.
 
     Where the device models a caching allocator (a GPU preset's default), ``allocator`` names it,
     ``reserved_peak_bytes`` is what it reserves at the peak (with the capacity as on the card: its
@@ -104,6 +109,7 @@ class MemoryEstimate:
     reserved_peak_bytes: int | None = None
     allocator: str = "exact"
     served: bool | None = None
+    not_counted: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool | None:
@@ -137,6 +143,8 @@ class MemoryEstimate:
                 sentence += " (the caching allocator cannot serve every request: fragmentation)"
         if self.undercounted_ops:
             sentence += f", as the trace under-counts {', '.join(self.undercounted_ops)}"
+        if self.not_counted:
+            sentence += f"; not counted: {'; '.join(self.not_counted)}"
         return sentence + "."
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,6 +160,7 @@ class MemoryEstimate:
             "allocator": self.allocator,
             "reserved_peak_bytes": self.reserved_peak_bytes,
             "served": self.served,
+            "not_counted": list(self.not_counted),
             "analytic": self.analytic.to_dict() if self.analytic else None,
             **self.extra,
         }
@@ -231,7 +240,9 @@ def estimate_workload(
         _register_roles(ledger, tracer, fake)
         with Prober(fake, tracer, steps=steps, phase_hook=_Tagger(ledger, tracer, fake)) as prober:
             trial = prober.probe(batch_size)
-    breakdown = {key: ledger.breakdown().get(key, 0) for key in BREAKDOWN_KEYS}
+    parts = ledger.breakdown()
+    breakdown = {key: parts.get(key, 0) for key in BREAKDOWN_KEYS}
+    breakdown["temporaries"] += parts.get(WORKSPACES, 0)  # a GPU's cuBLAS workspaces
     reserved_peak, served = _allocator_outcome(tracer, trial, target)
     if tracer.undercounted_ops:
         hint = "this estimate is a lower bound; measure with `batchfit find --device sim:CAPACITY` instead"
@@ -247,6 +258,7 @@ def estimate_workload(
         reserved_peak_bytes=reserved_peak,
         allocator=allocator_label(tracer.allocator_settings),
         served=served,
+        not_counted=tracer.not_counted,
     )
 
 
