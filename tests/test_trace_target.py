@@ -208,20 +208,38 @@ def test_a_gpu_trace_counts_cublas_workspaces_and_names_what_only_the_card_sizes
     assert guess.undercounted_ops == ("aten::mkldnn_rnn_layer",) and guess.fits is None  # cuDNN sizes its reserve
 
 
-def test_transformers_packed_sequence_check_answers_on_fake_tensors_as_on_real_ones():
-    """Without a cache, transformers asks the position ids whether sequences are packed; on fake tensors it used to
-    give up and build an explicit causal mask (and Llama repeated its keys), so a GPU trace ran the wrong kernel."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    ids = torch.randint(0, 128, (2, 32))
-    work = bf.Workload(
-        model, {"input_ids": ids, "labels": ids}, None, torch.optim.AdamW(model.parameters()), amp_dtype="bf16"
-    )
-    tracer = TraceDevice("h100-80gb").unlimited()
-    probe_workload(work, 2, device=tracer)
-    assert set(tracer.attention_kernels) == {"flash"}  # no mask: is_causal, and GQA's keys not repeated
+def test_transformers_mask_checks_answer_on_fake_tensors_as_on_real_ones():
+    """transformers asks the position ids whether sequences are packed, and an attention mask whether it is all
+    ones; on fake tensors it used to give up and build an explicit mask (Llama also repeated its keys), so a GPU
+    trace ran another kernel than the step: the memory-efficient one where the GPU runs flash."""
+    pytest.importorskip("transformers")
+    from hf_models import Size
+    from hf_models import bert
+    from hf_models import llama
+
+    for build, kv_heads in ((llama, 2), (bert, None)):
+        model, batch = build(Size(64, 1, 4, 128, 128, 32, kv_heads=kv_heads))
+        work = bf.Workload(model, batch, None, torch.optim.AdamW(model.parameters()), amp_dtype="bf16")
+        tracer = TraceDevice("h100-80gb").unlimited()
+        probe_workload(work, 2, device=tracer)
+        assert set(tracer.attention_kernels) == {"flash"}, build.__name__  # no mask: none to pass
+
+
+def test_while_a_trace_runs_real_tensors_keep_the_cpus_kernels():
+    """The GPU's kernels are for the trace's own fake tensors: real ones (another thread's training) run as ever."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from batchfit.devices.cuda_autocast import cuda_autocast
+    from batchfit.devices.cuda_kernels import cuda_attention
+    from batchfit.devices.cuda_kernels import cuda_dropout
+
+    mode = FakeTensorMode()
+    with cuda_attention(mode, CudaTarget()), cuda_dropout(mode), cuda_autocast(mode):
+        x = torch.randn(2, 4, 16, 8, requires_grad=True)
+        attention = torch.nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=0.0)
+        dropped = torch.nn.functional.dropout(x, 0.5, True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            normed = torch.nn.functional.layer_norm(x.bfloat16(), (8,))
+    assert type(attention.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0"
+    assert type(dropped.grad_fn).__name__ == "MulBackward0"  # the CPU's noise, not CUDA's fused kernel
+    assert normed.dtype == torch.bfloat16  # the CPU's autocast leaves layer_norm alone

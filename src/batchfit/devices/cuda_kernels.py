@@ -36,6 +36,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
+COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -246,9 +247,9 @@ def cuda_attention(mode: Any, target: CudaTarget, chosen: list[str] | None = Non
     original = aten.scaled_dot_product_attention.default
 
     def kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-        if getattr(query, "fake_mode", None) is not mode:
-            return original.decompose(
-                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        if getattr(query, "fake_mode", None) is not mode:  # torch's own C++ composite, as without the override
+            return original._op_dk(
+                COMPOSITE, query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
             )
         if chosen is not None:
             chosen.append(choose_backend(target, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa))
@@ -271,7 +272,7 @@ def cuda_dropout(mode: Any) -> Iterator[None]:
     def kernel(input, p, train):
         fused = train and 0 < p < 1 and input.numel() > 0 and not input.is_nested
         if getattr(input, "fake_mode", None) is not mode or not fused:
-            return original.decompose(input, p, train)
+            return original._op_dk(COMPOSITE, input, p, train)  # the C++ composite (its Python one always fuses)
         return aten.native_dropout(input, p, train)[0]
 
     library.impl("dropout", kernel, "AutogradCPU")

@@ -60,7 +60,7 @@ from batchfit.devices.simulated import modelled_allocator
 from batchfit.devices.trace_errors import is_users_error
 from batchfit.devices.trace_errors import trace_error
 from batchfit.devices.trace_errors import tracing
-from batchfit.devices.transformers_checks import packed_sequence_check
+from batchfit.devices.transformers_checks import real_value_checks
 from batchfit.devices.undercounts import UNDERCOUNTING_OPS
 from batchfit.devices.undercounts import UndercountWatch
 from batchfit.devices.undercounts import lstm_workspace_bytes
@@ -316,7 +316,7 @@ class TraceDevice(CountingDevice):
         if not _TRACED:
             _TRACED.append(True)  # this process has paid the fake mode's start-up (see traced_before)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(packed_sequence_check(self.fake_mode))
+            stack.enter_context(real_value_checks(self.fake_mode))
             if self.target is not None:  # what the GPU runs where the CPU would run something else
                 stack.enter_context(cuda_attention(self.fake_mode, self.target, self.attention_kernels))
                 stack.enter_context(cuda_dropout(self.fake_mode))

@@ -1,13 +1,14 @@
 """Questions Hugging Face transformers asks its inputs, answered on the trace's fake tensors as on real ones.
 
-transformers' ``find_packed_sequence_indices`` (``masking_utils``) looks at the position ids to tell packed
-sequences from a plain batch, but gives up on any tensor its ``is_tracing`` cannot see through, fake tensors
-included: the model then builds an explicit causal mask (and Llama repeats its keys and values) where on real
-tensors it passes ``is_causal=True`` and no mask. A trace would then pick another attention kernel than the real
-step does. While ``packed_sequence_check(mode)`` is active, the check runs on the real values the trace keeps for
-the position ids (``TraceFakeMode.value``: from the sample, or an ``arange`` inside the model), as the real step
-would; where the trace has no values, transformers' own answer stands. Nothing happens when transformers is not
-imported.
+Before it builds an attention mask, transformers looks at values: whether the position ids say sequences are
+packed (``find_packed_sequence_indices``), whether an attention mask is all ones (then it passes none). It skips
+those questions for any tensor its ``is_tracing`` cannot see through, fake tensors included, and then builds an
+explicit mask (Llama also repeats its keys and values) where the real step passes ``is_causal=True`` and no mask:
+a trace would pick another attention kernel than the step does. While ``real_value_checks(mode)`` is active,
+``masking_utils.is_tracing`` says no for a fake tensor of ``mode`` whose real values the trace keeps
+(``TraceFakeMode.value``: the sample's, or what an ``arange`` inside the model made), so the questions are
+asked, and the trace answers them from those values as the real step would. Nothing happens when transformers
+is not imported.
 """
 
 from __future__ import annotations
@@ -17,28 +18,22 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils._python_dispatch import _disable_current_modes
-
 
 @contextlib.contextmanager
-def packed_sequence_check(mode: Any) -> Iterator[None]:
-    """Answer ``find_packed_sequence_indices`` for ``mode``'s fake position ids from their real values."""
+def real_value_checks(mode: Any) -> Iterator[None]:
+    """Let transformers' mask checks ask ``mode``'s fake tensors what it asks real ones, where values are known."""
     masking = sys.modules.get("transformers.masking_utils")
-    original = getattr(masking, "find_packed_sequence_indices", None)
+    original = getattr(masking, "is_tracing", None)
     if original is None:
         yield
         return
 
-    def answered(position_ids: Any) -> Any:
-        real = mode.value(position_ids) if getattr(position_ids, "fake_mode", None) is mode else None
-        if real is None:
-            return original(position_ids)
-        with _disable_current_modes():
-            packed = original(real)
-        return None if packed is None else mode.from_real(packed, position_ids.device)
+    def is_tracing(tensor: Any = None) -> bool:
+        known = getattr(tensor, "fake_mode", None) is mode and mode.value(tensor) is not None
+        return original(None) if known else original(tensor)
 
-    masking.find_packed_sequence_indices = answered
+    masking.is_tracing = is_tracing
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices = original
+        masking.is_tracing = original
