@@ -301,7 +301,8 @@ class TraceDevice(CountingDevice):
         that cannot be copied (a lock, a generator, a tensor kind fake tensors lack) is a
         ``TraceError``: the real device needs no copy."""
         try:
-            builder = _FakeWorkloadBuilder(self.fake_mode, self.torch_device, foreach=self.target is not None)
+            gpu = self.target is not None or self.torch_device.type == "cuda"  # fakes fail foreach's type check
+            builder = _FakeWorkloadBuilder(self.fake_mode, self.torch_device, foreach=gpu)
             return builder.build(super().prepare(workload))
         except Exception as error:
             raise trace_error(error) from error
