@@ -129,7 +129,8 @@ def trace_estimate(
     The trace models the device's caching allocator, if it has one (a GPU's, read from this process)."""
     start = time.perf_counter()
     allocator = getattr(device, "allocator_settings", None) or "exact"  # the device's caching allocator, if any
-    tracer = TraceDevice(limit_bytes, device=device.torch_device, allocator=allocator)
+    target = getattr(device, "target", None)  # a trace device's GPU, whose kernels the estimate runs
+    tracer = TraceDevice(limit_bytes, device=device.torch_device, allocator=allocator, target=target)
     strategy = LinesFirst(tracer.counter)
     try:
         estimate = search_workload(
