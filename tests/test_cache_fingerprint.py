@@ -224,3 +224,104 @@ def test_a_step_with_captured_values_has_the_same_key_in_another_process():
     assert [proc.returncode for proc in procs] == [0, 0]
     assert runs[0] == runs[1] and len(runs[0][0]) == 64
     assert runs[0][1] == here  # a built-in workload: the same key here and in both other processes
+
+
+# -- the model's own code and attributes ---------------------------------------------------------------------
+
+BLOCK = """
+import torch
+from torch import nn
+
+def helper(x):
+    return x * 2
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.repeat = 1
+
+    def forward(self, x):
+        for _ in range(LOOPS):
+            x = torch.relu(self.linear(helper(x)))
+        return x
+"""
+
+
+def block_class(loops: int = 1, helper_body: str = "x * 2") -> type:
+    """``Block`` from source, in a module of the same name every time (as a user's file edited between runs)."""
+    namespace: dict = {"__name__": "user_models"}
+    source = BLOCK.replace("LOOPS", str(loops)).replace("x * 2", helper_body)
+    exec(compile(source, "user_models.py", "exec"), namespace)
+    return namespace["Block"]
+
+
+def block_workload(block: nn.Module) -> bf.Workload:
+    model = nn.Sequential(block, nn.Linear(16, 4))
+    batch = (torch.randn(3, 16), torch.randint(0, 4, (3,)))
+    return bf.Workload(model, batch, F.cross_entropy, torch.optim.Adam(model.parameters()))
+
+
+def test_the_model_code_its_attributes_and_the_device_rounding_are_in_the_key():
+    """Each change below changes the memory a step takes; each used to be answered from the cache."""
+    torch.manual_seed(0)
+    base = key(block_workload(block_class()()))
+    changed = {
+        "a forward edited (a loop run 8 times)": block_workload(block_class(loops=8)()),
+        "a helper its forward calls, swapped": block_workload(block_class(helper_body="x.repeat(1, 1) * 2")()),
+    }
+    for name, attribute, value in (("repeat = 4", "repeat", 4), ("a dropout's p", "p", 0.5)):
+        block = block_class()()
+        setattr(block, attribute, value)
+        changed[name] = block_workload(block)
+    flagged = block_class()()
+    flagged.linear.gradient_checkpointing = True  # a child's flag
+    changed["a child's checkpointing flag"] = block_workload(flagged)
+    torch.manual_seed(0)
+    same = key(block_workload(block_class()()))
+    assert same == base
+    assert {name: key(work) != base for name, work in changed.items()} == dict.fromkeys(changed, True)
+    work = block_workload(block_class()())
+    rounded = fingerprint(fingerprint_fields(work, bf.SimulatedDevice("1MiB", rounding_bytes=1), {}))
+    assert rounded != fingerprint(fingerprint_fields(work, bf.SimulatedDevice("1MiB"), {}))
+
+
+def test_an_edited_forward_is_measured_again_not_answered_from_the_cache(tmp_path):
+    def find(loops: int) -> bf.SearchResult:
+        work = block_workload(block_class(loops=loops)())
+        options = dict(
+            loss_fn=F.cross_entropy, optimizer=work.optimizer, device="sim:1MiB", cache=tmp_path, trace=False
+        )
+        return bf.find_max_batch_size(work.model, work.sample_batch, **options)
+
+    once, eight, again = find(1), find(8), find(8)
+    assert not once.cached and not eight.cached and eight.trials  # the edited forward is measured, not served
+    assert again.cached and again.batch_size == eight.batch_size
+
+
+class Configured(nn.Module):
+    """Reads a module global that is an object of some class: no stable representation."""
+
+    def forward(self, x):
+        return x * SETTINGS.scale
+
+
+class _Settings:
+    scale = 2
+
+
+SETTINGS = _Settings()
+
+
+def test_model_code_that_reads_an_unrepresentable_value_runs_uncached_and_says_so(tmp_path, caplog):
+    model = nn.Sequential(nn.Linear(16, 4), Configured())
+    with caplog.at_level(logging.WARNING, logger="batchfit"):
+        result = bf.find_max_batch_size(
+            model,
+            (torch.randn(3, 16), torch.randn(3, 4)),
+            loss_fn=F.mse_loss,
+            device="sim:1MiB",
+            cache=tmp_path,
+            trace=False,
+        )
+    assert "not caching: the model" in caplog.text and "SETTINGS" in caplog.text and result.trials

@@ -1,7 +1,8 @@
 """A fingerprint of everything that determines a search's answer, for the result cache.
 
 Two searches share a fingerprint when the same model structure (parameter and buffer names,
-shapes, dtypes, which ones train), the same sample (shapes past the batch dimension, dtypes,
+shapes, dtypes, which ones train) runs the same code (every module class's functions, with what they reach,
+and each module's plain attributes: ``model_code``), the same sample (shapes past the batch dimension, dtypes,
 nesting), the same loss and step (see ``callable_fields``), the same optimizer class and the
 settings that change its state's size, the same AMP dtype and mode, the same device (name and
 capacity), the same search bounds and margin, and the same torch and batchfit versions would run.
@@ -26,6 +27,7 @@ import json
 import logging
 import os
 import site
+import sys
 import sysconfig
 import types
 from collections.abc import Callable
@@ -315,6 +317,54 @@ def model_fields(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def model_code(model: torch.nn.Module) -> dict[str, Any]:
+    """What every module of ``model`` runs and what steers it: each class's code (see ``class_code``) and each
+    module's plain attributes and the functions it holds (``repeat = 4``, a functional dropout's ``p``, a
+    checkpointing flag, ``self.act = F.gelu``). A module's code that reads a value without a stable
+    representation is ``NotFingerprintable``: the search then runs uncached."""
+    walker = _Walker("the model")
+    classes = {_qualified(cls): class_code(walker, cls) for cls in dict.fromkeys(type(m) for m in model.modules())}
+    attributes = []
+    for name, module in model.named_modules():
+        plain = {k: repr(v) for k, v in sorted(vars(module).items()) if _plain(v)}
+        held = {
+            k: walker.code(v, (f"holds `{name}.{k}`",), 1)
+            for k, v in sorted(vars(module).items())
+            if callable(v) and not isinstance(v, (torch.nn.Module, torch.Tensor, type))
+        }
+        attributes.append([name, plain, held])
+    return {"classes": classes, "attributes": attributes}
+
+
+def class_code(walker: _Walker, cls: type) -> Any:
+    """A module class's code: for code outside installed packages, every function its classes define up to
+    the first installed one (``forward`` and the helpers it calls through ``self``), with the functions and
+    globals they reach; for an installed package's class, its name and the package's version."""
+    functions: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        members = [m.__func__ if isinstance(m, (staticmethod, classmethod)) else m for m in vars(klass).values()]
+        code = [m for m in members if isinstance(m, types.FunctionType)]
+        if klass in (torch.nn.Module, object) or (code and _is_library(code[0].__code__)):
+            functions[_qualified(klass)] = _package_version(klass)
+            break
+        for function in code:
+            functions[f"{_qualified(klass)}.{function.__name__}"] = walker.code(
+                function, (f"runs {function.__qualname__}",), 1
+            )
+    return functions
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _package_version(cls: type) -> str:
+    """An installed class by name and its package's version (its code changes with the version)."""
+    package = cls.__module__.split(".")[0]
+    version = getattr(sys.modules.get(package), "__version__", None)
+    return f"{_qualified(cls)} {package} {version}"
+
+
 def sample_fields(sample: Any) -> dict[str, Any]:
     """The sample's nesting and each leaf's shape past the batch dimension and dtype."""
     leaves, spec = pytree.tree_flatten(sample)
@@ -345,7 +395,8 @@ def optimizer_fields(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] 
 
 def device_fields(device: Device) -> dict[str, Any]:
     """The device's name, capacity (a real device's rounded down to 64 MiB: its free memory
-    drifts a little between runs, and a cached answer then still applies) and caching allocator settings."""
+    drifts a little between runs, and a cached answer then still applies), caching allocator settings and
+    (a simulated device's) block rounding."""
     capacity = device.capacity_bytes()
     if capacity is not None and not device.simulated:
         capacity -= capacity % REAL_DEVICE_CAPACITY_STEP_BYTES
@@ -355,6 +406,7 @@ def device_fields(device: Device) -> dict[str, Any]:
         "kind": type(device).__name__,
         "capacity_bytes": capacity,
         "allocator": settings.to_conf() if settings is not None else None,
+        "rounding_bytes": getattr(getattr(device, "counter", None), "rounding_bytes", None),  # a simulated block
     }
 
 
@@ -363,6 +415,7 @@ def fingerprint_fields(workload: Workload, device: Device, settings: Mapping[str
     own (bounds, margin, steps, strategy options) and anything the caller adds (sweep knobs)."""
     return {
         "model": model_fields(workload.model),
+        "code": model_code(workload.model),
         "sample": sample_fields(workload.sample_batch),
         "loss": callable_fields(workload.loss_fn, "loss_fn"),
         "step": callable_fields(workload.step_fn, "step_fn"),
