@@ -123,6 +123,7 @@ def find(
         dev = device_for(work, device)
         heading = one_rank.header(work, dev)
     else:
+        parallel.refuse_unused(rank)
         work, options = loaded()
         dev = device_for(work, device)
         heading = header_line(work, dev)
@@ -259,6 +260,7 @@ def estimate(
         check_outputs(json_path, plot)
         sharded.estimate_sharded(workload, gpu or capacity, batch_size, seq_len, choices, json_path, quiet)
         return
+    parallel.refuse_unused()
     reserve_bytes = None if reserve is None else parse_bytes(reserve, what="reserve", allow_zero=True)
     label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
     tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes, allocator=allocator.value if allocator else None)
@@ -566,6 +568,8 @@ def plan(
             return
         ranks = parallel.choices(activation_checkpointing or "none")
         devices = world[0]
+    else:
+        parallel.refuse_unused()
     if verify:
         raise InputError(
             "--verify confirms a plan traced on fake tensors: give a model from its config with --gpus and --gpu "

@@ -19,6 +19,7 @@ from batchfit.cli.workloads import load_workload
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
+from batchfit.search.settings import LARGEST_SIZE
 from batchfit.step.workload import Workload
 
 app = typer.Typer(
@@ -105,6 +106,9 @@ def load_for_cli(
 ) -> tuple[Any, dict[str, Any]]:
     """The workload and the options that reached it (for the JSON); ``framework=None`` accepts MLX ones too.
     ``keep_output`` sets which loop a torch workload's probe models (``Workload.keep_output``)."""
+    for flag, size in (("--seq-len", seq_len), ("--image-size", image_size)):
+        if size is not None and size > LARGEST_SIZE:  # the workload's own check takes the small ones
+            raise InputError(f"{flag} must be at most {LARGEST_SIZE:,} (2**31 - 1), got {size}")
     options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
     work = with_loop(load_workload(workload, framework=framework, **options), keep_output)
     used = {key: value for key, value in options.items() if value is not None}

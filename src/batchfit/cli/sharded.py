@@ -78,6 +78,23 @@ class ParallelOptions:
         """Whether the command takes the sharded path (see ``wants_sharded``)."""
         return self.cpu_offload or wants_sharded(workload, self.gpus, self.nodes, self.fsdp, self.hybrid_shard)
 
+    def refuse_unused(self, rank: int = 0) -> None:
+        """One line, exit code 2, for the options only a sharded run reads when the run is not sharded: they
+        would be ignored without a word."""
+        given = [
+            f"--{name}"
+            for name, value in (("param-dtype", self.param_dtype), ("reduce-dtype", self.reduce_dtype))
+            if value
+        ]
+        given += ["--gpus-per-node"] if self.gpus_per_node is not None else []
+        given += ["--rank"] if rank else []
+        if given:
+            raise InputError(
+                f"{', '.join(given)} only {'apply' if len(given) > 1 else 'applies'} to a sharded run: add --gpus N (or --nodes and "
+                "--gpus-per-node), "
+                "or drop them"
+            )
+
     def world(self) -> tuple[int, int | None]:
         """The ranks in all and per node (see ``world_size_of``)."""
         return world_size_of(self.gpus, self.nodes, self.gpus_per_node)

@@ -25,10 +25,17 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a size
 
 
+LARGEST_SIZE = 2**31 - 1  # no tensor dimension past this can be built on any device torch runs on
+
+
 def check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: int | None) -> None:
-    """A ``ValueError`` naming the bad bound: sizes are integers ``1 <= min <= max``, ``max_trials >= 1``."""
+    """A ``ValueError`` naming the bad bound: sizes are integers ``1 <= min <= max <= LARGEST_SIZE``,
+    ``max_trials >= 1``."""
     if not _is_count(min_batch_size) or min_batch_size < 1:
         raise InputError(f"min_batch_size must be an integer of at least 1, got {min_batch_size!r}")
+    for name, size in (("min_batch_size", min_batch_size), ("max_batch_size", max_batch_size)):
+        if _is_count(size) and size > LARGEST_SIZE:
+            raise InputError(f"{name} must be at most {LARGEST_SIZE:,} (2**31 - 1), got {size}")
     if max_batch_size is not None and (not _is_count(max_batch_size) or max_batch_size < min_batch_size):
         raise InputError(
             f"max_batch_size must be an integer >= min_batch_size ({min_batch_size}), got {max_batch_size!r}"

@@ -10,7 +10,8 @@ from batchfit.errors import InputError
 
 
 def check_options(name: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
-    """A ``ValueError`` naming the options ``factory`` (a workload factory called as ``name``) does not take."""
+    """A ``ValueError`` naming the options ``factory`` (a workload factory called as ``name``) does not take, or
+    the arguments it needs and will not get."""
     parameters = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     unknown = [key for key in options if key not in parameters and not takes_any]
@@ -18,6 +19,21 @@ def check_options(name: str, factory: Callable[..., Any], options: dict[str, Any
         flags = ", ".join("--" + key.replace("_", "-") for key in unknown)
         accepted = ", ".join("--" + key.replace("_", "-") for key in parameters) or "no options"
         raise InputError(f"workload {name} does not take {flags} (it takes {accepted})")
+    required = [
+        key
+        for key, parameter in parameters.items()
+        if parameter.default is inspect.Parameter.empty
+        and parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        and key not in options
+    ]
+    if required:
+        needed = ", ".join(required)
+        raise InputError(
+            f"workload {name} needs {needed}, which batchfit cannot give: a workload function is called with "
+            "no arguments but the options it takes and the command line gives (--seq-len, --image-size, --amp): "
+            "give the others defaults, "
+            "or wrap it in a function that passes them"
+        )
 
 
 def accepted_options(factory: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
