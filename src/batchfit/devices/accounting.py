@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from batchfit.devices.caching_allocator import Block
 from batchfit.devices.caching_allocator import CachingAllocator
+from batchfit.devices.interrupts import raise_if_interrupted
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 
@@ -439,6 +440,7 @@ class _CountingMode(TorchDispatchMode):
             torch.UntypedStorage.resize_ = self._resize_before
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        raise_if_interrupted()  # a deferred Ctrl-C: here, where every count is whole
         counter = self.counter
         if counter._released_elsewhere:
             counter.settle()

@@ -23,6 +23,7 @@ import torch
 from batchfit.devices.accounting import Ledger
 from batchfit.devices.allocator_replay import replay
 from batchfit.devices.allocator_settings import allocator_label
+from batchfit.devices.interrupts import interrupts_deferred
 from batchfit.devices.simulated import SimulatedDevice
 from batchfit.devices.trace import UNLIMITED_BYTES
 from batchfit.devices.trace import WORKSPACES
@@ -234,7 +235,7 @@ def estimate_workload(
     if not isinstance(batch_size, int) or batch_size < 1:
         raise InputError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
     tracer = target.unlimited() if target is not None else TraceDevice(UNLIMITED_BYTES)
-    with tracing():
+    with interrupts_deferred(), tracing():
         fake = tracer.prepare(workload)
         ledger = tracer.counter.ledger = Ledger()
         _register_roles(ledger, tracer, fake)

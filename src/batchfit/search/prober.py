@@ -12,6 +12,7 @@ import torch
 
 from batchfit.devices.base import Device
 from batchfit.devices.cleanup import drain_autograd_queue
+from batchfit.devices.interrupts import raise_if_interrupted
 from batchfit.devices.oom import is_oom
 from batchfit.devices.oom import summarize_oom
 from batchfit.devices.resolve import model_device
@@ -176,6 +177,7 @@ class Prober:
             scaler = work.make_scaler(device_type)
             held = LoopVariables()  # a loop's `outputs` and `loss`, alive from one step into the next
             for _ in range(steps):
+                raise_if_interrupted()
                 record.held_bytes = device.live_bytes() - batch_bytes - held.tensor_bytes()
                 started = self.clock()
                 if work.mode == "train":

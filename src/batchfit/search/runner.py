@@ -18,6 +18,8 @@ import torch
 
 from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.base import Device
+from batchfit.devices.interrupts import interrupts_deferred
+from batchfit.devices.interrupts import raise_if_interrupted
 from batchfit.devices.trace import TraceDevice
 from batchfit.devices.trace import is_users_error
 from batchfit.devices.trace import undercount_message
@@ -225,8 +227,9 @@ def search_workload(
     hit = cached.lookup(start) if cached is not None else None
     if hit is not None:
         return hit
-    plan, traced, deferred = _guess_by_trace(plan, workload)
-    trials, space, reported = _run_trials(plan, workload, on_trial, on_trial_start, deferred, start)
+    with interrupts_deferred():  # Ctrl-C stops the search where the state can be put back whole
+        plan, traced, deferred = _guess_by_trace(plan, workload)
+        trials, space, reported = _run_trials(plan, workload, on_trial, on_trial_start, deferred, start)
     result = _result(plan, workload.name, trials, space, {**traced, **reported}, start)
     report = allocator_report(plan.device, result)
     if report is not None:
@@ -336,6 +339,7 @@ def _run_trials(
     with plan.backend.prober(prepared, plan.device, steps=s.steps, limit_bytes=plan.limit_bytes) as prober:
         space = _space(plan, prepared, prober.baseline_bytes)
         while True:
+            raise_if_interrupted()
             batch_size = plan.strategy.next(trials, space)
             if batch_size is None:
                 break
@@ -688,7 +692,10 @@ def probe_workload(
     backend = backend_for(workload)
     dev = backend.resolve_device(workload, device)
     capacity, limit = usable_bytes(dev, s.margin)
-    with backend.prober(prepared_for(backend, dev, workload), dev, steps=s.steps, limit_bytes=limit) as prober:
+    with (
+        interrupts_deferred(),
+        backend.prober(prepared_for(backend, dev, workload), dev, steps=s.steps, limit_bytes=limit) as prober,
+    ):
         trial = prober.probe(batch_size)
     logger.info(trial.describe(capacity))
     return trial
