@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,19 @@ def test_a_rank_that_dies_makes_the_other_fail_clearly_within_the_timeout(tmp_pa
         outcome["error"] is not None and "batchfit: a rank did not reach the batch-size agreement" in outcome["error"]
     )
     assert outcome["seconds"] < 60
+
+
+@pytest.mark.slow  # its own torchrun launch and a 5 s agreement timeout: about 10 s
+def test_a_rank_that_hangs_is_named_and_the_job_ends():
+    """Rank 1 sleeps inside a trial; rank 0 names it within the timeout and ends with status 1 instead of hanging
+    at its exit (its process group waits there for the collective rank 1 never joins), so torchrun ends the job:
+    it used to run until killed."""
+    from ddp_launch import torchrun
+
+    started = time.perf_counter()
+    completed = torchrun("ddp_hung_rank.py", env={"BATCHFIT_AGREEMENT_TIMEOUT_SECONDS": "5"})
+    assert completed.returncode != 0 and time.perf_counter() - started < 60
+    assert "rank 1 stopped agreeing" in completed.stderr
 
 
 @pytest.mark.slow  # the shared torchrun launch: make reliability runs it

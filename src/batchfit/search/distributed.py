@@ -2,16 +2,20 @@
 shrinks together: no rank is ever left waiting in a collective the others will not join.
 
 Every agreement of a search waits at most ``agreement_timeout()`` for the other ranks, whatever
-stopped them (an error they caught, a hang, an exit), and then names them. A rank whose trial
+stopped them (an error they caught, a hang, an exit), and then names them; a rank left waiting so ends its
+process with status 1 rather than hang at its exit (``_exit_when_done``), and torchrun ends the job. A rank whose trial
 raises says so in the agreement of that trial (``probe_together``), so the others stop at once
 with its error in theirs."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import logging
 import os
 import pickle
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -72,12 +76,33 @@ def _wait(work: Any) -> None:
     try:
         work.wait(timeout)
     except RuntimeError as error:
+        _exit_when_done()
         raise RankStoppedError(
             f"batchfit: a rank did not reach the batch-size agreement within {timeout.total_seconds():g} s "
             f"({TIMEOUT_VARIABLE}): {_others()} stopped agreeing (it raised, hangs or left: its own log "
             f"says which), so rank {dist.get_rank()} stops too; this process group cannot be used any more "
             f"({str(error).strip()})"
         ) from error
+
+
+def _exit_when_done() -> None:
+    """Once a peer never joined a collective, this process cannot end: its process group waits for that
+    collective as the interpreter shuts down. It then ends with status 1 where it would hang (an ``atexit``
+    hook, after everything else the program does and prints), so that torchrun sees a failed rank and ends the
+    job rather than leaving it to its own timeout."""
+    if not _EXITING:
+        _EXITING.append(True)
+        atexit.register(_exit_now)
+
+
+_EXITING: list[bool] = []
+
+
+def _exit_now() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)
 
 
 def _reduce(value: int, op_name: str, bounded: bool = True) -> int:
