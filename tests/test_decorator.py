@@ -3,6 +3,10 @@ what worked, the probe's search, and errors that are not OOM."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -134,6 +138,8 @@ def test_other_errors_propagate_at_once_and_are_never_retried():
         ({"start": 0}, "start must be a positive integer"),
         ({"min_batch_size": 0}, "min_batch_size must be a positive integer"),
         ({"max_batch_size": 2, "min_batch_size": 4}, "must be at least min_batch_size"),
+        ({"start": 4, "min_batch_size": 8}, r"start \(4\) is below min_batch_size \(8\): raise start"),
+        ({"min_batch_size": True}, "min_batch_size must be a positive integer"),
         ({"backoff": 1.0}, r"backoff must be a factor in \(0, 1\)"),
         ({"probe": 3}, "probe must be a callable"),
     ],
@@ -141,3 +147,135 @@ def test_other_errors_propagate_at_once_and_are_never_retried():
 def test_bad_settings_are_clear_errors(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         bf.executable_batch_size(**kwargs)(lambda batch_size: batch_size)
+
+
+def oom_above(limit: int, batch_size: int) -> None:
+    """A fake OOM: raise ``torch.OutOfMemoryError`` when ``batch_size`` is above ``limit``."""
+    if batch_size > limit:
+        raise torch.OutOfMemoryError(f"CUDA out of memory at batch size {batch_size}")
+
+
+@dataclass  # compares by value, so unhashable: the memory per instance must not need a hash
+class Trainer:
+    limit: int
+
+    @bf.executable_batch_size(start=64)
+    def fit(self, batch_size, epochs=1):
+        oom_above(self.limit, batch_size)
+        return batch_size, epochs
+
+    @bf.executable_batch_size(start=64)
+    @staticmethod
+    def static_below(batch_size, limit):
+        oom_above(limit, batch_size)
+        return batch_size
+
+    @staticmethod
+    @bf.executable_batch_size(start=64)
+    def static_above(batch_size, limit):
+        oom_above(limit, batch_size)
+        return batch_size
+
+    @bf.executable_batch_size(start=64)
+    @classmethod
+    def per_class(cls, batch_size, limit):
+        oom_above(limit, batch_size)
+        return cls.__name__, batch_size
+
+
+def test_on_a_method_each_instance_remembers_its_own_size():
+    small, large = Trainer(16), Trainer(40)
+    assert small.fit(epochs=2) == (16, 2)
+    assert small.fit.history == [(64, "oom"), (32, "oom"), (16, "ok")]
+    assert large.fit() == (32, 1)  # starts at 64, not at the 16 the other instance settled on
+    assert large.fit.history == [(64, "oom"), (32, "ok")]
+    assert small.fit() == (16, 1) and small.fit.history[-1] == (16, "ok")
+    assert Trainer.fit(large, epochs=3) == (32, 3)  # through the class, the instance first
+    assert large.fit.history == [(64, "oom"), (32, "ok"), (32, "ok")]
+    assert (small.fit.batch_size, large.fit.batch_size) == (16, 32)
+    assert Trainer(16).fit.history == [] and Trainer.fit.history == []
+    with pytest.raises(bf.InputTypeError, match=r"got batch_size= from the caller"):
+        small.fit(batch_size=8)
+    with pytest.raises(bf.InputTypeError, match=r"needs the instance first: call it as instance\.fit"):
+        Trainer.fit()
+
+
+def test_a_method_forgets_an_instance_once_it_is_collected():
+    trainer = Trainer(16)
+    trainer.fit()
+    alive, key, memories = weakref.ref(trainer), id(trainer), Trainer.__dict__["fit"]._memories
+    assert memories[key].history == [(64, "oom"), (32, "oom"), (16, "ok")]
+    del trainer
+    gc.collect()
+    assert alive() is None and key not in memories  # a new object with this id starts afresh
+
+
+def test_instances_without_weak_references_are_a_clear_error():
+    class Slotted:
+        __slots__ = ("limit",)
+
+        @bf.executable_batch_size(start=64)
+        def fit(self, batch_size):
+            return batch_size
+
+    with pytest.raises(bf.InputTypeError, match=r"add '__weakref__' to Slotted\.__slots__"):
+        Slotted().fit()
+
+
+def test_staticmethods_in_either_order_and_classmethods_below_it():
+    trainer = Trainer(0)
+    assert trainer.static_below(20) == 16 and Trainer.static_below(100) == 16  # remembered
+    assert Trainer.static_below.history == [(64, "oom"), (32, "oom"), (16, "ok"), (16, "ok")]
+    assert trainer.static_above(40) == 32
+    assert Trainer.static_above.history == [(64, "oom"), (32, "ok")]
+    assert trainer.per_class(20) == ("Trainer", 16)
+    assert Trainer.per_class.history == [(64, "oom"), (32, "oom"), (16, "ok")]
+
+    class Sub(Trainer):
+        pass
+
+    assert Sub.per_class(100) == ("Sub", 64)  # each class remembers its own size
+    assert Sub.per_class.history == [(64, "ok")] and Trainer.per_class.batch_size == 16
+
+
+def generator(batch_size):
+    yield batch_size
+
+
+async def coroutine(batch_size):
+    return batch_size
+
+
+async def async_generator(batch_size):
+    yield batch_size
+
+
+@pytest.mark.parametrize(
+    ("function", "kind"),
+    [
+        (generator, "a generator function"),
+        (coroutine, r"a coroutine function \(async def\)"),
+        (async_generator, "an async generator function"),
+        (staticmethod(coroutine), r"a coroutine function \(async def\)"),
+    ],
+)
+def test_generators_and_coroutines_are_refused_when_decorated(function, kind):
+    with pytest.raises(bf.InputTypeError, match=rf"is {kind}: .*call it from a plain function"):
+        bf.executable_batch_size(start=64)(function)
+
+
+def test_the_default_start_is_raised_to_min_batch_size():
+    @bf.executable_batch_size(min_batch_size=200)
+    def train(batch_size):
+        oom_above(300, batch_size)
+        return batch_size
+
+    assert train() == 200 and train.history == [(200, "ok")]
+
+    @bf.executable_batch_size(min_batch_size=200)
+    def too_big(batch_size):
+        oom_above(100, batch_size)
+
+    with pytest.raises(bf.NoBatchFitsError, match=r"even at batch size 200 \(the floor"):
+        too_big()
+    assert too_big.history == [(200, "oom")]
