@@ -160,6 +160,171 @@ def test_an_oom_in_the_optimizer_step_is_undone_and_run_per_parameter(caplog):
     assert optimizer.param_groups[0]["foreach"] is True  # put back after the retry
 
 
+def narrow_then_wide_model_and_batch():
+    """Six parameters, the fifth (the last weight) far wider than the others: taken per parameter,
+    AdamW's temporaries for it set the optimizer step's peak."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 256)
+    ).double()
+    return model, (torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 256, dtype=torch.float64))
+
+
+WIDE_WEIGHT_BYTES = 256 * 8 * 8
+
+
+def before_optimizer_step(optimizer, scaler, index: int, action) -> None:
+    """Run ``action()`` once, as optimizer step ``index`` (from 0) begins: before the scaler unscales the
+    gradients in place, where there is one. A retry of the same step does not run it again."""
+    calls = itertools.count()
+
+    def hook(*args, **kwargs):
+        if next(calls) == index:
+            action()
+
+    if scaler is None:
+        optimizer.register_step_pre_hook(hook)
+        return
+    step = scaler.step
+    scaler.step = lambda *args, **kwargs: hook() or step(*args, **kwargs)
+
+
+def make_scaler(scaled: bool):
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaled else None
+
+
+def optimizer_step_bytes(index: int, scaled: bool) -> int:
+    """Bytes optimizer step ``index``, taken per parameter, needs beyond what is live as it begins."""
+    model, batch = narrow_then_wide_model_and_batch()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    scaler = make_scaler(scaled)
+    device = bf.SimulatedDevice("1GiB")
+    live = []
+    before_optimizer_step(optimizer, scaler, index, lambda: live.append(device.live_bytes()) or device.reset_peak())
+    batcher = Microbatcher(model, optimizer, loss_fn=F.mse_loss, device=device, micro_batch_size=8, scaler=scaler)
+    for _ in range(index + 1):
+        batcher.step(batch)
+    return device.peak_bytes() - live[0]
+
+
+def copied_state(model, optimizer) -> tuple:
+    """Copies of what an optimizer step may change: parameters, gradients, optimizer state (by parameter
+    index), and each group's settings."""
+    params = list(model.parameters())
+    state = {
+        index: {key: value.clone() if torch.is_tensor(value) else value for key, value in optimizer.state[p].items()}
+        for index, p in enumerate(params)
+        if p in optimizer.state
+    }
+    groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    return [p.detach().clone() for p in params], [p.grad.clone() for p in params], state, groups
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad-scaler"])
+@pytest.mark.parametrize("index", [0, 1], ids=["first-step", "second-step"])
+def test_an_optimizer_step_out_of_memory_per_parameter_too_leaves_nothing_half_applied(index, scaled, caplog):
+    # The capacity drops as the optimizer step begins: room for every parameter's per-parameter AdamW
+    # temporaries but the wide weight's. The foreach step runs out of memory with every parameter decayed and
+    # its `step` counted; its per-parameter retry with four of the six parameters updated and the fifth (the
+    # wide weight) decayed, its moments and `step` too.
+    room = optimizer_step_bytes(index, scaled) - WIDE_WEIGHT_BYTES
+    model, batch = narrow_then_wide_model_and_batch()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    scaler = make_scaler(scaled)
+    device = bf.SimulatedDevice("1GiB")
+    before = []
+
+    def drop_capacity():
+        before.append(copied_state(model, optimizer))  # the copies are live on the device too
+        device.counter.limit_bytes = device.live_bytes() + room
+
+    before_optimizer_step(optimizer, scaler, index, drop_capacity)
+    batcher = Microbatcher(
+        model,
+        optimizer,
+        loss_fn=F.mse_loss,
+        device=device,
+        micro_batch_size=8,
+        scaler=scaler,
+        guard_optimizer_step=True,
+    )
+    for _ in range(index):
+        batcher.step(batch)
+    with caplog.at_level("WARNING", logger="batchfit"), pytest.raises(torch.OutOfMemoryError, match="sim:"):
+        batcher.step(batch)
+    ((params, grads, state, groups),) = before
+    now_params, now_grads, now_state, now_groups = copied_state(model, optimizer)
+    torch.testing.assert_close(now_params, params, rtol=0, atol=0)  # bitwise, dtype included
+    torch.testing.assert_close(now_grads, grads, rtol=0, atol=0)  # still scaled, under a GradScaler
+    torch.testing.assert_close(now_state, state, rtol=0, atol=0)  # `step` included; none made in step 0
+    assert len(state) == 6 * index and now_groups == groups and groups[0]["foreach"] is True
+    assert "its per-parameter retry raised OutOfMemoryError: the step is undone" in caplog.text
+    assert len(batcher.history) == index  # the failed step is not recorded
+
+
+def test_any_error_inside_a_guarded_optimizer_step_leaves_it_undone():
+    model, batch = model_and_batch()
+    optimizer = make_optimizer("adamw", model)
+    before = []
+    before_optimizer_step(optimizer, None, 1, lambda: before.append(copied_state(model, optimizer)))
+    steps = itertools.count()
+
+    def fail_after_the_second_step(*args):
+        if next(steps) == 1:
+            raise ValueError("a post-step hook failed")
+
+    optimizer.register_step_post_hook(fail_after_the_second_step)  # every parameter is updated by then
+    batcher = Microbatcher(model, optimizer, loss_fn=F.mse_loss, micro_batch_size=16, guard_optimizer_step=True)
+    batcher.step(batch)
+    with pytest.raises(ValueError, match="a post-step hook failed"):
+        batcher.step(batch)
+    ((params, grads, state, _),) = before
+    torch.testing.assert_close(copied_state(model, optimizer)[:3], (params, grads, state), rtol=0, atol=0)
+    assert {int(entries["step"]) for entries in optimizer.state.values()} == {1}
+
+
+class SampleCounter(torch.nn.Module):
+    """Counts the samples its forward sees in a buffer it reassigns (``self.seen = self.seen + n``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, inputs):
+        self.seen = self.seen + inputs.shape[0]
+        return inputs
+
+
+def batch_norm_model_and_batch():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), SampleCounter(), torch.nn.Tanh(), torch.nn.Linear(64, 4)
+    ).double()
+    return model, (torch.randn(GLOBAL, 32, dtype=torch.float64), torch.randn(GLOBAL, 4, dtype=torch.float64))
+
+
+def test_a_replay_after_an_oom_starts_from_the_buffers_the_failed_attempt_started_from():
+    model, batch = batch_norm_model_and_batch()
+    optimizer = make_optimizer("sgd", model)
+    room = (transient_bytes(model, optimizer, batch, 8) + transient_bytes(model, optimizer, batch, 16)) // 2
+    device = bf.SimulatedDevice("1GiB")
+    batcher = Microbatcher(model, optimizer, loss_fn=F.mse_loss, device=device, micro_batch_size=16, grow_after=None)
+    reference, _ = batch_norm_model_and_batch()
+    clean = Microbatcher(reference, make_optimizer("sgd", reference), loss_fn=F.mse_loss, micro_batch_size=16)
+    for step in range(4):
+        if step == 2:  # another tenant arrives: room for micro-batches of 8, not 16
+            device.counter.limit_bytes = device.live_bytes() + room
+            clean.current_micro_batch_size = 8  # the reference runs the same sizes without an OOM
+        batcher.step(batch)
+        clean.step(batch)
+    assert [record.micro_batch_size for record in batcher.history] == [16, 16, 8, 8]
+    assert [(record.ooms, record.replays) for record in batcher.history] == [(0, 0), (0, 0), (1, 1), (0, 0)]
+    assert [record.micro_batch_size for record in clean.history] == [16, 16, 8, 8]
+    assert int(model[1].num_batches_tracked) == 4 + 4 + 8 + 8 and int(model[2].seen) == 4 * GLOBAL
+    torch.testing.assert_close(dict(model.named_buffers()), dict(reference.named_buffers()), rtol=0, atol=0)
+    torch.testing.assert_close(dict(model.named_parameters()), dict(reference.named_parameters()), rtol=0, atol=0)
+
+
 def test_other_errors_propagate_unchanged():
     model, batch = model_and_batch()
     batcher = Microbatcher(
@@ -576,3 +741,28 @@ def test_the_searched_micro_batch_runs_with_the_windows_gradients_and_the_whole_
         batcher.step((inputs, inputs[:, :10].argmax(dim=1)))
     assert [record.ooms for record in batcher.history] == [0, 0, 0]
     assert 1 < batcher.history[0].micro_batches == batcher.history[-1].micro_batches  # it accumulates, unchanged
+
+
+def dropout_run(oom_at_step: int | None) -> dict:
+    """Four steps of a dropout model from seed 0; from step 2 micro-batches of 8, through an OOM or chosen."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 4)).double()
+    batch = (torch.randn(GLOBAL, 32, dtype=torch.float64), torch.randn(GLOBAL, 4, dtype=torch.float64))
+    optimizer = make_optimizer("sgd", model)
+    room = (transient_bytes(model, optimizer, batch, 8) + transient_bytes(model, optimizer, batch, 16)) // 2
+    device = bf.SimulatedDevice("1GiB") if oom_at_step is not None else None
+    batcher = Microbatcher(model, optimizer, loss_fn=F.mse_loss, device=device, micro_batch_size=16, grow_after=None)
+    for step in range(4):
+        if step == 2 and device is not None:
+            device.counter.limit_bytes = device.live_bytes() + room
+        elif step == 2:
+            batcher.current_micro_batch_size = 8
+        batcher.step(batch)
+    assert [record.micro_batch_size for record in batcher.history] == [16, 16, 8, 8]
+    assert [record.ooms for record in batcher.history] == ([0, 0, 1, 0] if device is not None else [0, 0, 0, 0])
+    return {name: value.detach().clone() for name, value in model.named_parameters()}
+
+
+def test_a_replay_after_an_oom_draws_the_dropout_masks_the_failed_attempt_drew():
+    """The random state is put back with the buffers: the replay is the step a clean run of 8s takes, bit for bit."""
+    torch.testing.assert_close(dropout_run(oom_at_step=2), dropout_run(oom_at_step=None), rtol=0, atol=0)

@@ -23,6 +23,8 @@ from batchfit.errors import NoBatchFitsError
 from batchfit.planning.noise import NoiseScaleEstimator
 from batchfit.runtime.accumulate import backward_micro_batches
 from batchfit.runtime.noise_measure import GradientWatcher
+from batchfit.runtime.undo import OptimizerSnapshot
+from batchfit.runtime.undo import ReplayStart
 from batchfit.search import distributed
 from batchfit.search.cached import CacheSpec
 from batchfit.search.runner import search_workload
@@ -33,7 +35,6 @@ from batchfit.step.batching import batch_length
 from batchfit.step.batching import slice_batch
 from batchfit.step.batching import tensor_leaves
 from batchfit.step.compiled import runnable
-from batchfit.step.state import StateSnapshot
 from batchfit.step.workload import Workload
 from batchfit.step.workload import amp_dtype_of
 
@@ -98,7 +99,8 @@ class MicrobatcherSettings:
     grow_after: int | None = 100
     """Clean steps before trying twice the micro-batch again (``None``: never grow)."""
     guard_optimizer_step: bool = False
-    """Keep a host copy of the state before each optimizer step, so an OOM inside it can be undone."""
+    """Keep a host copy of what each optimizer step changes (the parameters it updates and their optimizer
+    state; their gradients too under a GradScaler), so that an error inside it is undone bitwise."""
     weight: str = "samples"
     """How each micro-batch's loss is weighted: ``"samples"`` or ``"tokens"``, as the loss is averaged."""
     amp_dtype: torch.dtype | None = None
@@ -160,11 +162,14 @@ class Microbatcher:
     """One optimizer step per global batch, in micro-batches that fit, surviving OOM.
 
     On an out-of-memory error anywhere in the step, gradients are dropped, the cache emptied, a
-    partial GradScaler step undone, and the micro-batch halved; then the *whole* global batch is
-    replayed. An OOM inside ``optimizer.step()`` cannot be fixed by smaller micro-batches and may
-    have updated some parameters: with ``guard_optimizer_step=True`` (a host copy of parameters and
-    optimizer state before every step, which costs a device-to-host copy per step) it is undone
-    and the step runs again per parameter (``foreach=False``); without it, a clear error says so.
+    partial GradScaler step undone, the module buffers put back as the step found them (BatchNorm's
+    running statistics: a host copy of every buffer is taken before each step), and the micro-batch
+    halved; then the *whole* global batch is replayed. An OOM inside ``optimizer.step()`` cannot be
+    fixed by smaller micro-batches and may have updated some parameters: with
+    ``guard_optimizer_step=True`` (a host copy of the parameters it updates and their optimizer state
+    before every step, which costs a device-to-host copy per step) it is undone and the step runs
+    again per parameter (``foreach=False``); if that fails too, it is undone again and the error
+    propagates with nothing half-applied. Without the guard, a clear error says so.
     After ``grow_after`` clean steps it tries twice the size again, never above one that failed.
     With ``max_tokens``, micro-batches are contiguous runs of samples holding at most that many
     tokens (``tokens_per_sample``, by default from ``attention_mask`` or the sequence length), and
@@ -294,6 +299,7 @@ class Microbatcher:
         agreeing = distributed.active()
         self._check_token_budget(batch, size, agreeing)
         ooms = replays = 0
+        start = ReplayStart.take(self.model)  # in host memory, outside the device's accounting
         while True:
             slices = self._slices(batch, size)
             loss, completed = self._accumulate_agreeing(batch, slices, size, agreeing)
@@ -303,6 +309,7 @@ class Microbatcher:
                 self._clean_up("another rank ran out of memory")
             if not failed:
                 break
+            start.restore()  # the replay starts from the buffers and random state the failed attempt did
             ooms += 1
             replays += completed  # micro-batches whose forward and backward are thrown away and run again
             size = self._shrink(size, self._floor(batch, agreeing))
@@ -454,12 +461,16 @@ class Microbatcher:
         return slices
 
     def _optimizer_step(self) -> None:
+        """``optimizer.step()``; with ``guard_optimizer_step``, undone on any error that leaves it, and
+        after an OOM run again per parameter."""
         snapshot = self._guard()  # in host memory, outside the device's accounting
         failed = False
         try:
             with device_accounting(self.device):
                 self._step_once()
         except BaseException as error:
+            if snapshot is not None:
+                self._undo_step(snapshot)  # nothing half-applied, whatever the error
             if not is_oom(error):
                 raise
             if snapshot is None:
@@ -467,13 +478,10 @@ class Microbatcher:
                     "the optimizer step ran out of memory and may have updated some parameters already: "
                     "use Microbatcher(..., guard_optimizer_step=True) to undo and retry it exactly, or free memory"
                 ) from error
-            failed = True  # recover after the except block: its traceback holds the partial step's tensors
+            failed = True  # retry after the except block: its traceback holds the partial step's tensors
         if failed:
-            snapshot.restore()
             self.device.collect()
-            self._undo_scaler()
-            with device_accounting(self.device):
-                self._retry_per_parameter()
+            self._retry_per_parameter(snapshot)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -485,20 +493,35 @@ class Microbatcher:
         else:
             self.optimizer.step()
 
-    def _guard(self) -> StateSnapshot | None:
+    def _guard(self) -> OptimizerSnapshot | None:
         if not self.settings.guard_optimizer_step:
             return None
-        return StateSnapshot.take(self.model, self.optimizer)
+        return OptimizerSnapshot.take(self.optimizer, grads=self.scaler is not None)
 
-    def _retry_per_parameter(self) -> None:
+    def _undo_step(self, snapshot: OptimizerSnapshot) -> None:
+        """Parameters, optimizer state and gradients as before the step; a GradScaler's step forgotten."""
+        snapshot.restore()
+        self._undo_scaler()
+
+    def _retry_per_parameter(self, snapshot: OptimizerSnapshot) -> None:
         """The optimizer step itself ran out of memory: a smaller micro-batch cannot help, but
-        per-parameter updates (``foreach=False``) need far smaller temporaries."""
+        per-parameter updates (``foreach=False``) need far smaller temporaries. An error in this
+        retry leaves with the step undone again: nothing is half-applied."""
         groups = self.optimizer.param_groups
         saved = [group.get("foreach") for group in groups]
         for group in groups:
             group["foreach"] = False
         try:
-            self._step_once()
+            with device_accounting(self.device):
+                self._step_once()
+        except BaseException as error:
+            self._undo_step(snapshot)  # outside the accounting; each group's foreach is put back too
+            logger.warning(
+                "batchfit: the optimizer step ran out of memory, and its per-parameter retry raised %s: the step "
+                "is undone (parameters, optimizer state and gradients as before it)",
+                type(error).__name__,
+            )
+            raise
         finally:
             for group, foreach in zip(groups, saved, strict=True):
                 group["foreach"] = foreach
