@@ -63,10 +63,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/gpu_estimates.py
 	$(BIN)/python benchmarks/import_time.py
 
-# Fault injection, bad inputs and endurance (a reduced form runs in `make test`): benchmarks/RELIABILITY.md.
+# Fault injection, bad inputs and endurance (a reduced form runs in `make test`): benchmarks/RELIABILITY.md;
+# an OOM inside FSDP2, the cache against edits, Ctrl-C at seeded sites: benchmarks/FAULTS.md.
 reliability: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -m slow tests
 	$(BIN)/python benchmarks/reliability.py
+	$(BIN)/python benchmarks/fault_campaigns.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info

@@ -301,15 +301,24 @@ def test_a_resize_past_the_capacity_is_an_oom_and_leaves_the_storage_as_it_was()
     assert "resize_" not in torch.UntypedStorage.__dict__
 
 
-def test_a_sharded_models_step_runs_to_its_end_before_the_oom_is_raised():
-    """A rank that stopped half-way would leave the others waiting in its next collective."""
+def test_a_sharded_models_oom_comes_at_once_and_at_the_steps_end_only_when_peers_wait(monkeypatch):
+    """Over torch's fake process group no rank waits for this one: the error comes where CUDA raises it.
+    Under torchrun (gloo, NCCL) a rank that stopped half-way would leave the others in its next collective."""
+    from batchfit.devices import accounting
+
     world, weight = _sharded_weight()
     try:
+        assert not accounting.peers_wait()  # the fake group: collectives return at once
         device = bf.SimulatedDevice(10_000, rounding_bytes=1)
         device.register([weight])  # 8192 bytes of shards: the model is sharded
         finished = []
+        with pytest.raises(torch.OutOfMemoryError) as raised, device.measuring():
+            torch.ones(1000)  # 4000 more: past the capacity, raised here
+            finished.append("ran on")
+        assert not finished and "half-way" not in str(raised.value)
+        monkeypatch.setattr(accounting, "peers_wait", lambda: True)  # as other ranks really running collectives
         with pytest.raises(torch.OutOfMemoryError, match="step cannot stop half-way"), device.measuring():
-            big = torch.ones(1000)  # 4000 more: past the capacity, and the step goes on
+            big = torch.ones(1000)  # past the capacity, and the step goes on
             big.add_(1)
             finished.append("ran on")
         assert len(finished) == 1

@@ -11,17 +11,24 @@ Two things sharded training (FSDP2) does that no dispatch mode sees as memory ar
   tensors, which hold the rank's memory;
 - FSDP2 grows and frees its all-gathered parameters with ``UntypedStorage.resize_``, which is no
   op: while a mode is active ``resize_`` is watched (and restored on the way out, also after an
-  error), so a storage counts at its size after each resize, from the resize on.
+  error), so a storage counts at its size after each resize, from the resize on. A resize made while
+  no mode watched (FSDP2 brought to rest after a step that raised frees its gathered copies
+  outside the trial: ``batchfit.step.state.reset_sharded_iteration``) is counted when the next mode
+  begins or tensors are registered.
 
 With a caching allocator (``batchfit.devices.caching_allocator``), every storage counted is also a request to
 it and every storage freed a free: a step fits when the allocator serves every request within the capacity, as
 on a GPU, not when the live bytes fit; the reserved bytes and their peak are the allocator's.
 
-A sharded model's step cannot stop half-way: the other ranks would wait in its next collective
-(or join the wrong one), and FSDP2 would keep its parameters gathered. A counter holding DTensor
-shards therefore lets the step run past the limit to the end of the ``mode()`` block and raises
-the out-of-memory error there, with the message of the first allocation that passed the limit
-(the rank's real memory may pass the capacity meanwhile: by what that one trial needs).
+An out-of-memory error is raised where the allocation passed the limit, as CUDA raises it, also
+inside a sharded model's step: FSDP2 is brought back to rest after it (``reset_sharded_iteration``).
+One case runs on: a rank of a process group whose collectives really run (``torchrun`` with gloo
+or NCCL, each rank on a simulated device of its own) cannot stop its sharded step half-way, since
+the other ranks would wait in its next collective or join the wrong one. A counter holding DTensor
+shards there lets the step run past the limit to the end of the ``mode()`` block and raises the
+error then, with the message of the first allocation that passed the limit (the rank's real memory
+may pass the capacity meanwhile, by what that one trial needs). One rank over torch's fake process
+group (``batchfit.parallel.one_rank``) has no peers to wait: its errors come at once.
 """
 
 from __future__ import annotations
@@ -215,11 +222,11 @@ class LiveBytes:
 
     def steps_must_finish(self) -> bool:
         """True when a step measured now must run to its end even past the limit: this counter
-        holds a DTensor's local shard, so the model is sharded (FSDP2, tensor parallel). Its step
-        runs collectives the other ranks wait in, and FSDP2 cannot resume from a step stopped
-        half-way (its parameters would stay gathered while the search puts the shards back)."""
+        holds a DTensor's local shard (the model is sharded: FSDP2, tensor parallel) and other
+        ranks really run its collectives with this one (``peers_wait``): stopped half-way, its step
+        would leave them waiting in its next collective, or joining the wrong one."""
         self._sharded_keys = {key for key in self._sharded_keys if key in self._refs}
-        return bool(self._sharded_keys)
+        return bool(self._sharded_keys) and peers_wait()
 
     def _count(self, storage: torch.UntypedStorage) -> int:
         key = storage._cdata
@@ -275,9 +282,21 @@ class LiveBytes:
         ]
 
     def track_all(self, tensors: Iterable[Any]) -> None:
-        """Count tensors that existed before the trial (parameters, buffers, optimizer state)."""
+        """Count tensors that existed before the trial (parameters, buffers, optimizer state), and
+        the storages resized since a mode last watched (``recount_resized``)."""
+        self.recount_resized()
         for tensor in tensors:
             self.track(tensor)
+
+    def recount_resized(self) -> None:
+        """Count again, at their size now, the counted storages resized while no mode watched
+        ``resize_``: FSDP2 brought to rest after a step that raised frees its gathered copies with
+        ``resize_(0)`` outside the trial (``batchfit.step.state.reset_sharded_iteration``)."""
+        self.settle()
+        for ref, _, exact_nbytes, _ in list(self._refs.values()):
+            storage = ref()
+            if storage is not None and storage.nbytes() != exact_nbytes:
+                self.resized(storage)
 
     def event_log(self) -> np.ndarray:
         """The order storages were made and freed since ``mode()`` began: ``i + 1`` when the storage ``i`` of
@@ -353,6 +372,7 @@ class LiveBytes:
         """A dispatch mode that counts what every op reads and makes while it is active, except
         the storages of ``uncounted`` tensors, and appends the live bytes after each op to
         ``timeline`` and ``exact_timeline`` (cleared here)."""
+        self.recount_resized()
         self.timeline = []
         self.exact_timeline = []
         self._restart_log()
@@ -360,6 +380,22 @@ class LiveBytes:
         self.unserved_bytes = None
         self.allocator_at_start = self.allocator.copy() if self.allocator is not None else None
         return _CountingMode(self, frozenset(self.keys_of(uncounted)))
+
+
+def peers_wait() -> bool:
+    """True under a process group of two ranks or more whose collectives really run (``torchrun``
+    with gloo or NCCL), where a rank's sharded step must not stop half-way; ``False`` without one,
+    and over torch's fake process group (every backend ``fake``: collectives return at once, no
+    rank waits). ``torch.distributed`` is never imported here.
+
+    >>> peers_wait()
+    False
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return False
+    backends = [entry.rpartition(":")[2] for entry in dist.get_backend_config().split(",")]  # "cpu:fake,cuda:fake"
+    return any(backend != "fake" for backend in backends)
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -440,7 +476,10 @@ class _CountingMode(TorchDispatchMode):
             torch.UntypedStorage.resize_ = self._resize_before
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        raise_if_interrupted()  # a deferred Ctrl-C: here, where every count is whole
+        # A deferred Ctrl-C: here, where every count is whole; never at a prim query (``prim.device``), which C++
+        # asks from code that cannot pass a Python error on (raised there, the process aborts).
+        if getattr(func, "namespace", None) != "prim":
+            raise_if_interrupted()
         counter = self.counter
         if counter._released_elsewhere:
             counter.settle()

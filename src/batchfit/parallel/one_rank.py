@@ -10,7 +10,10 @@ initialisation), so a model far larger than the device is tried as long as one r
 A ``RankWorkload`` declares its own search backend, so ``search_workload`` runs the usual search
 over it (strategies, ``max_trials``/``max_seconds``, progress) and each trial is the usual
 ``Prober`` trial of the sharded model: state restored after every trial, only real
-out-of-memory errors counted. What it does not see: collectives do not run (NCCL's own buffers
+out-of-memory errors counted. An out-of-memory error comes where it happens, inside FSDP2's forward
+or backward as on a GPU (no peer waits in a collective of the fake group), and the restore brings
+FSDP2 back to rest before the shards go back (``batchfit.step.state.reset_sharded_iteration``), so
+the next trial runs as on a fresh prober. What it does not see: collectives do not run (NCCL's own buffers
 are not counted), and torch's fake process group fills an all-gather with this rank's shard in
 every slice and a reduce-scatter with a chunk of its input: values are finite but not the real
 run's (a model that routes by values may allocate differently); sizes are the same.

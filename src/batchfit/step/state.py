@@ -5,12 +5,19 @@ the RNG states (torch CPU and accelerators, Python, NumPy) and every module's tr
 Parameters and buffers are put back by name too: a ``forward`` that reassigns one
 (``self.seen = self.seen + 1``) gets the original tensor object back in its slot.
 Copies live in host memory, never on the device being probed.
+
+A model sharded with FSDP2 (``fully_shard``) is brought to rest first (``reset_sharded_iteration``):
+a step that raised half-way (an out-of-memory error in forward, loss, backward or the optimizer
+step) leaves FSDP2 mid-iteration, its parameters gathered and its hooks' bookkeeping half done, and
+a no-grad forward leaves the root's parameters gathered; the module slots must not get the shards
+back while FSDP2 still holds the gathered copies (its next forward would mix the two).
 """
 
 from __future__ import annotations
 
 import copy
 import random
+import sys
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
@@ -128,6 +135,50 @@ def restore_rng(rng: dict[str, Any]) -> None:
         torch.mps.set_rng_state(rng["mps"])
 
 
+def _fsdp_modules(model: torch.nn.Module) -> list[Any]:
+    """The modules of ``model`` that ``fully_shard`` made FSDP2 modules (none while FSDP2 was never imported)."""
+    module_class = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if module_class is None:
+        return []
+    return [module for module in model.modules() if isinstance(module, module_class)]
+
+
+def reset_sharded_iteration(model: torch.nn.Module) -> None:
+    """Bring every FSDP2 module of ``model`` to rest, as a finished training step leaves it: no
+    iteration in flight, every parameter group sharded (its gathered copy freed), no gradient of a
+    cut-short backward held (also the root's gathered parameters a no-grad forward keeps). Nothing
+    for a model without FSDP2 modules.
+
+    torch's own recovery after an exception in forward or backward does most of it:
+    ``FSDPModule.reset_iter_state()`` on each root (a module whose ``FSDPState._is_root`` lazy
+    initialisation set; torch/distributed/fsdp/_fully_shard/_fully_shard.py, torch 2.13). Its
+    ``FSDPState._reset_iter_state`` (_fsdp_state.py) waits on and drops the all-gather and
+    reduce-scatter state in flight, clears ``iter_forward_root``, ``_modules_to_run_forward``,
+    ``post_forward_order`` and ``post_backward_final_callback_queued`` (else the next backward
+    never queues its final callback), sets every state's and group's training state to IDLE, and
+    reshards each group (``FSDPParamGroup._reset_iter_state``: ``_to_sharded()``, which puts the
+    shards back in the module slots and frees the gathered storages). Two things it leaves are put
+    right on each ``FSDPParam`` (_fsdp_param.py): the gathered storages of a group still marked
+    sharded, whose all-gather copy-out ran out of memory part-way (``_to_sharded`` frees only a
+    group marked unsharded; ``free_unsharded_param()`` frees all, a no-op on a freed one), and the
+    gradient autograd left on the gathered parameter when backward stopped before the group's
+    post-backward hook (``_unsharded_param.grad``, ``unsharded_accumulated_grad``): dropped, as
+    the failed iteration's gradients are.
+    """
+    modules = _fsdp_modules(model)
+    states = {id(state): state for state in (module._get_fsdp_state() for module in modules)}  # shared by a group
+    for module in modules:
+        if module._get_fsdp_state()._is_root:  # None before the first forward: no iteration ran
+            module.reset_iter_state()
+    for state in states.values():
+        for group in state._fsdp_param_groups:
+            for param in group.fsdp_params:
+                param.free_unsharded_param()
+                param.unsharded_accumulated_grad = None
+                if hasattr(param, "_unsharded_param"):  # made by the first all-gather
+                    param._unsharded_param.grad = None
+
+
 @dataclass
 class StateSnapshot:
     """A host-memory copy of a model's and optimizer's state; ``restore()`` puts it back bitwise.
@@ -174,7 +225,9 @@ class StateSnapshot:
         return snapshot
 
     def restore(self) -> None:
-        """Put everything back as it was when the snapshot was taken."""
+        """Put everything back as it was when the snapshot was taken (an FSDP2 model brought to rest
+        first, see ``reset_sharded_iteration``)."""
+        reset_sharded_iteration(self.model)
         for module_slots in self.slots:  # first the objects back in their slots, then their values
             module_slots.restore()
         with torch.no_grad():
