@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from batchfit.cli.common import load_for_cli
 from batchfit.cli.common import parse_margin
 from batchfit.cli.common import with_loop
 from batchfit.cli.examples import BUILTIN_WORKLOADS
+from batchfit.cli.progress import ConsoleProgress
 from batchfit.cli.report import breakdown_table
 from batchfit.cli.report import print_result
 from batchfit.cli.report import result_document
@@ -50,6 +50,10 @@ from batchfit.devices.trace import TraceDevice
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
 from batchfit.errors import InputError
+from batchfit.parallel.copied import ShardedCopy
+from batchfit.parallel.settings import Parallelism
+from batchfit.planning.plan import BatchPlan
+from batchfit.planning.plan import plan_batch
 from batchfit.search.evidence import before_any_trial
 from batchfit.search.runner import device_for
 from batchfit.search.runner import search_workload
@@ -57,7 +61,15 @@ from batchfit.search.runner import traces_first
 from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import STRATEGIES
 from batchfit.search.trial import Trial
-from batchfit.step.workload import Workload
+from batchfit.workflows.rank_workloads import rank_workload
+from batchfit.workflows.ranks import capacity_of
+from batchfit.workflows.routing import DEFAULT_SEQ_LEN
+from batchfit.workflows.routing import Route
+from batchfit.workflows.routing import route_workload
+from batchfit.workflows.sharded_estimate import estimate_own_rank
+from batchfit.workflows.sharded_plan import plan_sharded
+from batchfit.workflows.verification import verification_device
+from batchfit.workflows.workload_plan import plan_workload
 
 
 @app.command(
@@ -116,17 +128,15 @@ def find(
     loaded = functools.partial(
         load_for_cli, workload, seq_len, image_size, amp, framework.value if framework else None, keep_output
     )
-    if parallel.wanted(workload):
-        work, options = one_rank.rank_workload(
-            workload, seq_len, parallel.choices(activation_checkpointing), rank, loaded
-        )
-        dev = device_for(work, device)
-        heading = one_rank.header(work, dev)
-    else:
+    if route_workload(workload, parallel.asked) is Route.OWN:
         parallel.refuse_unused(rank)
         work, options = loaded()
         dev = device_for(work, device)
         heading = header_line(work, dev)
+    else:
+        work, options = rank_workload(workload, seq_len, parallel.choices(activation_checkpointing), rank, loaded)
+        dev = device_for(work, device)
+        heading = one_rank.header(work, dev)
     check_outputs(json_path, plot)
     if not quiet:
         console.print(heading)
@@ -249,15 +259,16 @@ def estimate(
         raise InputError("give exactly one of --gpu (e.g. --gpu a100-40gb) or --capacity (e.g. --capacity 40GiB)")
     if batch_size is not None and batch_size < 1:
         raise InputError(f"--batch-size must be a positive integer, got {batch_size}")
-    if parallel.wanted(workload):
-        choices = parallel.choices(activation_checkpointing)
-        if not sharded.from_config(workload) and (":" in workload or workload in BUILTIN_WORKLOADS):
-            loaded = functools.partial(load_for_cli, workload, seq_len, image_size, amp, keep_output=keep_output)
-            work, options = one_rank.rank_workload(workload, seq_len, choices, 0, loaded)
-            check_outputs(json_path, plot)
-            _estimate_own_rank(work, options, TraceDevice(gpu or capacity), json_path, quiet)
-            return
+    route = route_workload(workload, parallel.asked)
+    if route is Route.OWN_RANK and (":" in workload or workload in BUILTIN_WORKLOADS):
+        loaded = functools.partial(load_for_cli, workload, seq_len, image_size, amp, keep_output=keep_output)
+        work, options = rank_workload(workload, seq_len, parallel.choices(activation_checkpointing), 0, loaded)
         check_outputs(json_path, plot)
+        _estimate_own_rank(work, options, TraceDevice(gpu or capacity), batch_size, json_path, quiet)
+        return
+    if route is not Route.OWN:  # a model from its config (a name that is neither is refused there, in one line)
+        check_outputs(json_path, plot)
+        choices = parallel.choices(activation_checkpointing)
         sharded.estimate_sharded(workload, gpu or capacity, batch_size, seq_len, choices, json_path, quiet)
         return
     parallel.refuse_unused()
@@ -299,19 +310,41 @@ def estimate(
         plot_search(largest, plot)
 
 
-def _estimate_own_rank(work: Any, options: dict[str, Any], tracer: Any, json_path: Path | None, quiet: bool) -> None:
-    """``estimate WORKLOAD --gpus N``: one rank of a workload's sharded copy, traced on fake tensors
-    on ``tracer`` (a GPU preset or a size): the largest micro-batch per rank, every trial a trace."""
+def _estimate_own_rank(
+    work: ShardedCopy, options: dict[str, Any], tracer: TraceDevice, batch_size: int | None, json_path: Path | None,
+    quiet: bool,
+) -> None:  # fmt: skip
+    """``estimate WORKLOAD --gpus N``: one rank of a workload's sharded copy, traced on fake tensors on
+    ``tracer`` (a GPU preset or a size): the largest micro-batch per rank, every trial a trace; with
+    ``batch_size``, one traced trial at it says whether it fits and its peak."""
     if not quiet:
         console.print(one_rank.header(work, tracer, command="estimate"), highlight=False)
-    with console.status("Tracing one rank on fake tensors", spinner="dots"):
-        result = search_workload(work, device=tracer)
+    found = estimate_own_rank(work, tracer, batch_size=batch_size, progress=ConsoleProgress())
     if quiet:
-        console.print(result.batch_size)
+        console.print(found.search.batch_size)
     else:
-        print_result(console, result)
+        print_result(console, found.search)
+        if found.at is not None:
+            console.print(escape(_verdict(found.at, tracer.capacity_bytes())), highlight=False)
     if json_path is not None:
-        write_json(json_path, result_document(result, workload=work.name, options=options, simulated=False))
+        document = result_document(found.search, workload=work.name, options=options, simulated=False)
+        if found.at is not None:  # the question asked: the figures at the micro-batch asked about
+            document |= {"largest_batch_size": found.search.batch_size, "batch_size": found.at.batch_size,
+                         "fits": found.at.fits, "peak_bytes": found.at.peak_bytes, "estimate": found.at.to_dict()}  # fmt: skip
+        write_json(json_path, document)
+
+
+def _verdict(at: Trial, capacity_bytes: int) -> str:
+    """Whether the micro-batch asked about fits one rank, and its traced peak.
+
+    >>> _verdict(Trial(8, True, 3 * 2**20, 0.1, phase_peak_bytes={"backward": 3 * 2**20}), 2**30)
+    'Micro-batch 8 per rank fits: traced peak 3.0 MiB of 1.0 GiB (in backward).'
+    """
+    phase = max(at.phase_peak_bytes, key=at.phase_peak_bytes.get) if at.phase_peak_bytes else at.failed_phase
+    where = f" (in {phase})" if phase else ""
+    if at.fits:
+        return f"Micro-batch {at.batch_size} per rank fits: traced peak {format_bytes(at.peak_bytes)} of {format_bytes(capacity_bytes)}{where}."
+    return f"Micro-batch {at.batch_size} per rank does not fit {format_bytes(capacity_bytes)}: it runs out of memory{where}."
 
 
 def _print_estimate(largest: Any, breakdown: Any, batch_size: int | None) -> None:
@@ -530,8 +563,6 @@ def plan(
     the window's gradients held through forward and backward (as a later micro-batch runs), and
     the plan uses that answer. An LLM preset or a config.json with --gpu and --gpus N (or --nodes
     and --gpus-per-node) is traced per rank under FSDP2 for each activation-checkpointing choice."""
-    from batchfit.planning.plan import plan_batch
-
     if workload is not None and micro_batch_size is not None:
         raise InputError("give either --micro-batch-size N or a WORKLOAD to measure it on, not both")
     check_outputs(json_path)
@@ -551,20 +582,22 @@ def plan(
         goal=goal.value if goal else None,
         model_family=model_family,
     )
+    route = route_workload(workload, parallel.asked) if workload is not None else None
     ranks = None  # a workload of the user's own with --gpus: one rank's real trials measure it
-    if workload is not None and parallel.wanted(workload):
+    if route in (Route.CONFIG, Route.OWN_RANK):
         world = parallel.world()
         if devices is not None and devices != world[0]:
             raise InputError(f"--devices {devices} disagrees with the {world[0]} ranks of --gpus/--nodes: give one")
-        if sharded.from_config(workload):
+        if route is Route.CONFIG:
             choices = parallel.choices(activation_checkpointing or "none,full")
             if verify and parallel.cpu_offload:
                 raise InputError(
                     "--verify runs real trials of one rank, and CPU offload cannot run for real on one device: "
                     "drop --verify or --cpu-offload"
                 )
-            verify_on = device if verify else None
-            _plan_sharded(planning, workload, gpu, seq_len or sharded.DEFAULT_SEQ_LEN, choices, json_path, verify_on)
+            _plan_sharded(
+                planning, workload, gpu, seq_len or DEFAULT_SEQ_LEN, choices, json_path, device if verify else None
+            )
             return
         ranks = parallel.choices(activation_checkpointing or "none")
         devices = world[0]
@@ -576,82 +609,58 @@ def plan(
             "(a WORKLOAD's micro-batch is already measured by real trials)"
         )
     planning = functools.partial(planning, seq_len=seq_len, devices=devices)
-    work = dev = None
-    if workload is not None:
+    if workload is None:
+        if micro_batch_size is None:
+            raise InputError("give --micro-batch-size N, or a WORKLOAD to measure it on")
+        result = planning(micro_batch_size=micro_batch_size)
+    else:
         work = with_loop(load_workload(workload, framework=None, seq_len=seq_len, only_accepted=True), keep_output)
         if ranks is not None:
-            work, _ = one_rank.rank_workload(workload, seq_len, ranks, 0, lambda: (work, {}))
-        dev = device_for(work, device)
-        micro_batch_size = _measure_micro_batch(work, dev, settings, accumulating=False)
-    if micro_batch_size is None:
-        raise InputError("give --micro-batch-size N, or a WORKLOAD to measure it on")
-    result = planning(micro_batch_size=micro_batch_size)
-    # Later micro-batches of a window hold the gradients: measured so for torch workloads (MLX measures one step).
-    if (isinstance(work, Workload) or ranks is not None) and result.gradient_accumulation_steps > 1:
-        held = _measure_micro_batch(work, dev, settings.replace(max_batch_size=micro_batch_size), accumulating=True)
-        result = planning(micro_batch_size=held)
+            work, _ = rank_workload(workload, seq_len, ranks, 0, lambda: (work, {}))
+        found = plan_workload(
+            work,
+            lambda largest: planning(micro_batch_size=largest),
+            settings,
+            device=device_for(work, device),
+            progress=ConsoleProgress(),
+        )
+        result = found.plan
     _print_plan(result)
     if json_path is not None:
         write_json(json_path, result.to_dict())
 
 
 def _plan_sharded(
-    planning: Callable[..., Any],
+    planning: Callable[..., BatchPlan],
     workload: str,
     gpu: str | None,
     seq_len: int,
-    choices: list[Any],
-    json_path: Any,
+    choices: list[Parallelism],
+    json_path: Path | None,
     verify_on: str | None = None,
 ) -> None:
-    """The plan for a model built from its config: the micro-batch per rank traced under FSDP2 for
-    each activation-checkpointing choice, the plan on the choice ``choose_checkpointing`` takes;
+    """The plan for a model built from its config (``batchfit.workflows.plan_sharded``), printed and written;
     with ``verify_on`` (a device), each choice's answer confirmed by one rank's real trials."""
     if gpu is None:
         raise InputError("a sharded plan traces one rank on a GPU preset: give --gpu (e.g. --gpu h100-80gb)")
-    verifier = one_rank.verification_device(verify_on, sharded.capacity_of(gpu)[0]) if verify_on else None
-    found = sharded.measure_per_rank(workload, gpu, seq_len, choices)
-    verified = None
-    if verifier is not None:  # a traced answer that fails its real trial gives way to the largest verified size
-        verified, found = one_rank.verify_plan(workload, seq_len, found, verifier)
-    chosen, largest = sharded.choose_checkpointing(found, seq_len, gpu)
-    result = planning(micro_batch_size=largest.batch_size, seq_len=seq_len, devices=choices[0].world_size)
-    if result.gradient_accumulation_steps > 1:  # a later micro-batch runs with the window's sharded gradients
-        held = sharded.with_gradients_held(workload, gpu, seq_len, chosen, largest)
-        result = planning(micro_batch_size=held, seq_len=seq_len, devices=choices[0].world_size)
-        if verifier is not None:  # the plan's micro-batch, and one above the largest, as later micro-batches
-            verified += one_rank.verify_accumulating(workload, seq_len, chosen, result.micro_batch_size, held, verifier)
-    result = dataclasses.replace(result, advice=result.advice + sharded.checkpointing_advice(found, chosen, result))
-    console.print(f"Planned with activation checkpointing {chosen.activation_checkpointing}.", highlight=False)
-    _print_plan(result)
-    if json_path is not None:
-        document = sharded.plan_document(result, found, chosen, gpu)
-        if verified is not None:
-            document["sharding"]["verification"] = {
-                "device": verifier.name,
-                "mode": "one rank, real trials",
-                "rows": verified,
-            }
-        write_json(json_path, document)
-
-
-def _measure_micro_batch(work: Any, dev: Any, settings: SearchSettings, *, accumulating: bool) -> int:
-    """The largest micro-batch of ``work`` on ``dev``, as one plain step or, with ``accumulating``,
-    as a later micro-batch of an accumulation window (the gradients held); printed."""
-    held = " with the accumulation window's gradients held" if accumulating else ""
-    if accumulating:
-        work = one_rank.accumulating(work)
-    with console.status(f"Measuring the largest micro-batch{held}", spinner="dots"):
-        measured = search_workload(work, settings, device=dev)
-    per_rank = f" ({work.mode(isinstance(dev, TraceDevice))})" if hasattr(work, "parallelism") else ""  # one rank
-    console.print(
-        f"Measured on {measured.device}{per_rank}{held}: the largest micro-batch is {measured.batch_size}.",
-        highlight=False,
+    verifier = verification_device(verify_on, capacity_of(gpu)[0]) if verify_on else None
+    ranks = choices[0].world_size
+    found = plan_sharded(
+        workload,
+        gpu,
+        seq_len,
+        choices,
+        lambda largest: planning(micro_batch_size=largest, seq_len=seq_len, devices=ranks),
+        verify_on=verifier,
+        progress=ConsoleProgress(),
     )
-    return measured.batch_size
+    console.print(f"Planned with activation checkpointing {found.chosen.activation_checkpointing}.", highlight=False)
+    _print_plan(found.plan)
+    if json_path is not None:
+        write_json(json_path, found.to_dict())
 
 
-def _print_plan(result: Any) -> None:
+def _print_plan(result: BatchPlan) -> None:
     table = Table(title="Batch plan", title_justify="left", show_header=False)
     table.add_column(justify="left")
     table.add_column(justify="right")

@@ -1,8 +1,9 @@
-"""The CLI's sharded side: the parallelism options, and ``batchfit estimate`` for a model built from its
-config (an LLM preset or a config.json), per rank, traced with torch's FSDP2 over a fake process group.
+"""The CLI's sharded side: the parallelism options (``--gpus``, ``--nodes``, ``--fsdp``, ...) turned into
+``Parallelism`` settings, and what ``batchfit estimate`` prints and writes for a model built from its config
+(an LLM preset or a config.json), per rank.
 
-Computing is in ``batchfit.parallel``; this module turns options into ``Parallelism`` settings and
-prints or writes what the traces say.
+The work is in ``batchfit.workflows`` (``estimate_config``, ``plan_sharded``) over ``batchfit.parallel``; this
+module parses and prints.
 """
 
 from __future__ import annotations
@@ -18,13 +19,19 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from batchfit._version import versions
 from batchfit.cli.common import console
+from batchfit.cli.progress import ConsoleProgress
 from batchfit.cli.report import write_json
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
-
-DEFAULT_SEQ_LEN = 4096  # a model from its config trains on token ids: this many per sample unless --seq-len
+from batchfit.parallel.settings import Parallelism
+from batchfit.parallel.trace import ShardedEstimate
+from batchfit.workflows.ranks import capacity_of
+from batchfit.workflows.ranks import describe_parallelism
+from batchfit.workflows.ranks import host_line
+from batchfit.workflows.routing import DEFAULT_SEQ_LEN
+from batchfit.workflows.sharded_estimate import ConfigEstimate
+from batchfit.workflows.sharded_estimate import estimate_config
 
 Gpus = Annotated[
     int | None,
@@ -74,9 +81,15 @@ class ParallelOptions:
     reduce_dtype: str | None = None
     cpu_offload: bool = False
 
-    def wanted(self, workload: str) -> bool:
-        """Whether the command takes the sharded path (see ``wants_sharded``)."""
-        return self.cpu_offload or wants_sharded(workload, self.gpus, self.nodes, self.fsdp, self.hybrid_shard)
+    @property
+    def asked(self) -> bool:
+        """Whether a parallelism was asked for (ranks, nodes, FSDP2 or its CPU offload): the workload's route
+        is then sharded (``batchfit.workflows.route_workload``).
+
+        >>> ParallelOptions().asked, ParallelOptions(gpus=8).asked, ParallelOptions(cpu_offload=True).asked
+        (False, True, True)
+        """
+        return any((self.gpus is not None, self.nodes is not None, self.fsdp, self.hybrid_shard, self.cpu_offload))
 
     def refuse_unused(self, rank: int = 0) -> None:
         """One line, exit code 2, for the options only a sharded run reads when the run is not sharded: they
@@ -99,7 +112,7 @@ class ParallelOptions:
         """The ranks in all and per node (see ``world_size_of``)."""
         return world_size_of(self.gpus, self.nodes, self.gpus_per_node)
 
-    def choices(self, checkpointing: str) -> list[Any]:
+    def choices(self, checkpointing: str) -> list[Parallelism]:
         """One ``Parallelism`` per activation-checkpointing choice (see ``parallelisms``)."""
         return parallelisms(
             self.world(), self.hybrid_shard, self.param_dtype, self.reduce_dtype, checkpointing, self.cpu_offload
@@ -140,40 +153,6 @@ def parallel_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return with_options
 
 
-def capacity_of(capacity: str) -> tuple[int, str]:
-    """The usable bytes per rank and a label, from a GPU preset (``h100-80gb``) or a size (``80GiB``).
-
-    >>> capacity_of("64MiB")
-    (67108864, 'a 64.0 MiB device')
-    """
-    from batchfit.devices.presets import is_preset
-    from batchfit.devices.presets import preset
-    from batchfit.devices.trace import trace_capacity_bytes
-
-    capacity_bytes = trace_capacity_bytes(capacity)  # a one-line error names both forms
-    return capacity_bytes, preset(capacity).label if is_preset(capacity) else f"a {format_bytes(capacity_bytes)} device"
-
-
-def wants_sharded(workload: str, gpus: int | None, nodes: int | None, fsdp: bool, hybrid_shard: bool) -> bool:
-    """Whether ``batchfit estimate`` takes the sharded path: a model from its config, or a parallelism asked for.
-
-    >>> wants_sharded("llama-3-8b", None, None, False, False), wants_sharded("gpt-tiny", None, None, False, False)
-    (True, False)
-    """
-    return from_config(workload) or gpus is not None or nodes is not None or fsdp or hybrid_shard
-
-
-def from_config(workload: str) -> bool:
-    """Whether ``workload`` names a model built from its config: an LLM preset or a config.json.
-
-    >>> from_config("llama-3-8b"), from_config("my/config.json"), from_config("train.py:make")
-    (True, True, False)
-    """
-    from batchfit.parallel.models import LLM_PRESETS
-
-    return workload in LLM_PRESETS or workload.endswith(".json")
-
-
 def world_size_of(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> tuple[int, int | None]:
     """The ranks in all and per node, from ``--gpus`` and/or ``--nodes`` x ``--gpus-per-node``.
 
@@ -202,12 +181,10 @@ def parallelisms(
     reduce_dtype: str | None,
     checkpointing: str,
     cpu_offload: bool = False,
-) -> list[Any]:
+) -> list[Parallelism]:
     """One ``Parallelism`` per activation-checkpointing choice asked for, in order
     (``"none,selective,full"``: all three). FSDP2 shards even one rank where its mixed precision
     or CPU offload is asked for."""
-    from batchfit.parallel.settings import Parallelism
-
     world_size, gpus_per_node = world
     fsdp = world_size > 1 or param_dtype or reduce_dtype or cpu_offload
     sharding = "hybrid" if hybrid_shard else ("fsdp" if fsdp else "none")
@@ -228,78 +205,52 @@ def parallelisms(
     ]
 
 
-def describe_parallelism(parallelism: Any) -> str:
-    """One phrase: ``"rank 0 of 8, FSDP2 full shard, bf16 compute, fp32 reduce"``."""
-    sharding = {
-        "fsdp": "FSDP2 full shard",
-        "hybrid": f"FSDP2 hybrid shard ({parallelism.gpus_per_node} per node)",
-        "none": "one process, not sharded",
-    }[parallelism.sharding]
-    parts = [f"rank {parallelism.rank} of {parallelism.world_size}", sharding]
-    if parallelism.param_dtype is not None:
-        parts.append(f"{str(parallelism.param_dtype).removeprefix('torch.')} compute")
-    if parallelism.reduce_dtype is not None:
-        parts.append(f"{str(parallelism.reduce_dtype).removeprefix('torch.')} reduce")
-    if parallelism.cpu_offload:
-        parts.append("CPU offload")
-    return ", ".join(parts)
-
-
 def estimate_sharded(
     workload: str,
     capacity: str,
     batch_size: int | None,
     seq_len: int | None,
-    choices: list[Any],
+    choices: list[Parallelism],
     json_path: Path | None,
     quiet: bool,
 ) -> None:
     """Per rank, for each activation-checkpointing choice: the largest micro-batch within ``capacity``
-    and the breakdown at ``batch_size`` (else at that largest size); which choice reaches ``batch_size``."""
-    from batchfit.parallel.fit import largest_batch_size
-    from batchfit.parallel.models import model_config
-    from batchfit.parallel.trace import trace_rank
-
-    model_config(workload)  # a file that is not a model config, or an unknown name, fails here in one line
-    seq_len = seq_len or DEFAULT_SEQ_LEN
-    capacity_bytes, label = capacity_of(capacity)
+    and the breakdown at ``batch_size`` (else at that largest size); which choice reaches ``batch_size``
+    (``batchfit.workflows.estimate_config``), printed and written."""
     if not quiet:
+        capacity_bytes, label = capacity_of(capacity)
         console.print(
-            f"batchfit estimate: [bold]{workload}[/] at sequence {seq_len}, {describe_parallelism(choices[0])}, on "
-            f"{label} ({format_bytes(capacity_bytes)} usable per rank), traced with torch's fully_shard over a fake "
-            "process group: nothing runs on a GPU.",
+            f"batchfit estimate: [bold]{workload}[/] at sequence {seq_len or DEFAULT_SEQ_LEN}, "
+            f"{describe_parallelism(choices[0])}, on {label} ({format_bytes(capacity_bytes)} usable per rank), traced "
+            "with torch's fully_shard over a fake process group: nothing runs on a GPU.",
             highlight=False,
         )
-    results = []
-    for parallelism in choices:
-        with console.status(f"Tracing one rank, activation checkpointing {parallelism.activation_checkpointing}"):
-            found = largest_batch_size(workload, seq_len, capacity_bytes, parallelism=parallelism)
-            at = found.estimate
-            if batch_size is not None and batch_size != found.batch_size:
-                at = trace_rank(workload, batch_size, seq_len, parallelism=parallelism)
-        results.append((parallelism, found, at))
+    found = estimate_config(
+        workload, capacity, choices, batch_size=batch_size, seq_len=seq_len, progress=ConsoleProgress()
+    )
     if quiet:
-        console.print(results[0][1].batch_size)
+        console.print(found.choices[0].largest.batch_size)
     else:
-        _print_sharded(results, capacity_bytes, batch_size)
+        _print_sharded(found)
     if json_path is not None:
-        write_json(json_path, _document(workload, capacity, capacity_bytes, seq_len, results))
+        write_json(json_path, found.to_dict())
 
 
-def _print_sharded(results: list[tuple[Any, Any, Any]], capacity_bytes: int, batch_size: int | None) -> None:
-    for parallelism, found, at in results:
-        console.print(breakdown_table(at, parallelism.activation_checkpointing))
-        if at.host_peak_bytes is not None:
-            console.print(host_line(at), highlight=False)
+def _print_sharded(found: ConfigEstimate) -> None:
+    for choice in found.choices:
+        console.print(breakdown_table(choice.at, choice.parallelism.activation_checkpointing))
+        if choice.at.host_peak_bytes is not None:
+            console.print(host_line(choice.at), highlight=False)
         console.print(
-            f"[bold green]Activation checkpointing {parallelism.activation_checkpointing}: the largest micro-batch "
-            f"per rank is {found.batch_size} x {at.seq_len} tokens ({found.traces} traces).[/]",
+            f"[bold green]Activation checkpointing {choice.parallelism.activation_checkpointing}: the largest "
+            f"micro-batch per rank is {choice.largest.batch_size} x {choice.at.seq_len} tokens "
+            f"({choice.largest.traces} traces).[/]",
             highlight=False,
         )
-    if batch_size is not None:
-        reaching = [p.activation_checkpointing for p, _, at in results if at.peak_bytes <= capacity_bytes]
+    if found.batch_size is not None:
+        reaching = found.fitting()
         verdict = f"with activation checkpointing {' or '.join(reaching)}" if reaching else "with no choice asked for"
-        console.print(f"Micro-batch {batch_size} per rank fits {verdict}.", highlight=False)
+        console.print(f"Micro-batch {found.batch_size} per rank fits {verdict}.", highlight=False)
     console.print(
         "Not traced: NCCL's buffers, the CUDA context beyond the preset's reserve, allocator fragmentation. "
         "No GPU has checked these figures.",
@@ -307,26 +258,7 @@ def _print_sharded(results: list[tuple[Any, Any, Any]], capacity_bytes: int, bat
     )
 
 
-def host_line(estimate: Any) -> str:
-    """With CPU offload: the host memory one rank needs, by part, and a node of its ranks.
-
-    >>> from batchfit.parallel import Parallelism
-    >>> from batchfit.parallel.trace import ShardedEstimate
-    >>> at = ShardedEstimate(2**30, {"activations": 2**30}, 16, 1, 64, "backward", Parallelism(world_size=16,
-    ...     gpus_per_node=8, cpu_offload=True), host_peak_bytes=3 * 2**30, host_breakdown={"optimizer_state": 3 * 2**30})
-    >>> host_line(at)
-    'Host memory per rank (CPU offload): 3.0 GiB at its peak (optimizer state 3.0 GiB); 24.0 GiB for a node of 8 ranks, pinned by FSDP2 by default.'
-    """
-    parts = sorted(estimate.host_breakdown.items(), key=lambda item: -item[1])
-    listed = ", ".join(f"{name.replace('_', ' ')} {format_bytes(nbytes)}" for name, nbytes in parts)
-    per_node = estimate.parallelism.gpus_per_node or estimate.world_size
-    return (
-        f"Host memory per rank (CPU offload): {format_bytes(estimate.host_peak_bytes)} at its peak ({listed}); "
-        f"{format_bytes(per_node * estimate.host_peak_bytes)} for a node of {per_node} ranks, pinned by FSDP2 by default."
-    )
-
-
-def breakdown_table(estimate: Any, checkpointing: str) -> Table:
+def breakdown_table(estimate: ShardedEstimate, checkpointing: str) -> Table:
     """The per-rank breakdown at one micro-batch, largest part first."""
     table = Table(
         title=f"Per rank at micro-batch {estimate.batch_size} (activation checkpointing {checkpointing}, "
@@ -340,37 +272,6 @@ def breakdown_table(estimate: Any, checkpointing: str) -> Table:
             table.add_row(name.replace("_", " "), format_bytes(nbytes), f"{nbytes / estimate.peak_bytes:.0%}")
     table.add_row("[bold]peak[/]", f"[bold]{format_bytes(estimate.peak_bytes)}[/]", "100%")
     return table
-
-
-def _document(
-    workload: str, capacity: str, capacity_bytes: int, seq_len: int, results: list[tuple[Any, Any, Any]]
-) -> dict[str, Any]:
-    """The JSON: the first choice's figures at the top (``peak_bytes``, ``breakdown``, ``world_size``,
-    ``largest_batch_size``, all per rank), every choice under ``choices``."""
-    _, found, at = results[0]
-    return {
-        "peak_bytes": at.peak_bytes,
-        "breakdown": dict(at.breakdown),
-        "world_size": at.world_size,
-        "largest_batch_size": found.batch_size,
-        **at.host_part(),
-        "batch_size": at.batch_size,
-        "seq_len": seq_len,
-        "workload": {"name": workload, "options": {"seq_len": seq_len}},
-        "device": {"name": capacity, "capacity_bytes": capacity_bytes, "per_rank": True},
-        "parallelism": at.parallelism.to_dict(),
-        "choices": [
-            {
-                "activation_checkpointing": parallelism.activation_checkpointing,
-                "largest_batch_size": found.batch_size,
-                "estimate": estimate.to_dict(),
-                "search": found.to_dict(),
-            }
-            for parallelism, found, estimate in results
-        ],
-        "not_traced": ["NCCL buffers", "the CUDA context beyond the preset's reserve", "allocator fragmentation"],
-        "versions": versions(),
-    }
 
 
 def parse_tokens(text: str | None) -> int | None:
@@ -392,110 +293,3 @@ def parse_tokens(text: str | None) -> int | None:
     if tokens < 1:
         raise InputError(f"--global-batch-tokens must be at least 1, got {text!r}")
     return tokens
-
-
-def measure_per_rank(workload: str, capacity: str, seq_len: int, choices: list[Any]) -> list[tuple[Any, Any]]:
-    """The largest micro-batch per rank within ``capacity`` for each parallelism in ``choices``."""
-    from batchfit.parallel.fit import largest_batch_size
-    from batchfit.parallel.models import model_config
-
-    model_config(workload)  # an unknown name or a file that is not a model config fails here in one line
-    capacity_bytes, _ = capacity_of(capacity)
-    found = []
-    for parallelism in choices:
-        with console.status(f"Tracing one rank, activation checkpointing {parallelism.activation_checkpointing}"):
-            found.append((parallelism, largest_batch_size(workload, seq_len, capacity_bytes, parallelism=parallelism)))
-        console.print(
-            f"Traced {describe_parallelism(parallelism)}, activation checkpointing "
-            f"{parallelism.activation_checkpointing}: the largest micro-batch per rank is {found[-1][1].batch_size}.",
-            highlight=False,
-        )
-    if found[0][1].estimate.host_peak_bytes is not None:  # the host holds the same state whatever the choice
-        console.print(host_line(found[0][1].estimate), highlight=False)
-    return found
-
-
-def choose_checkpointing(found: list[tuple[Any, Any]], seq_len: int, capacity: str) -> tuple[Any, Any]:
-    """The choice a plan uses: no activation checkpointing where a micro-batch of 1 fits without it
-    (recomputing every block costs about a third more compute per step), else the choice that fits
-    the most; a one-line error when none fits even 1."""
-    fitting = [(parallelism, largest) for parallelism, largest in found if largest.batch_size >= 1]
-    if not fitting:
-        tried = ", ".join(parallelism.activation_checkpointing for parallelism, _ in found)
-        raise InputError(
-            f"not even micro-batch 1 x {seq_len} tokens fits per rank on {capacity} (activation checkpointing "
-            f"{tried}): use more ranks, --activation-checkpointing full, a shorter --seq-len or --param-dtype bf16"
-        )
-    plain = [item for item in fitting if item[0].activation_checkpointing == "none"]
-    return plain[0] if plain else max(fitting, key=lambda item: item[1].batch_size)
-
-
-RECOMPUTE_COST = {  # what each choice costs in backward, as the advice says it
-    "full": "about a third more compute per step (every block's forward runs again in backward)",
-    "selective": "some more compute per step (each block recomputes its cheap ops and every other matmul in backward)",
-}
-
-
-def checkpointing_advice(found: list[tuple[Any, Any]], chosen: Any, plan: Any) -> list[str]:
-    """Advice where another checkpointing choice would need fewer accumulation steps."""
-    per_rank = -(-plan.target_samples // plan.devices)  # samples each rank must see per optimizer step
-    advice = []
-    for parallelism, largest in found:
-        if parallelism is chosen or largest.batch_size <= plan.micro_batch_size:
-            continue
-        steps = -(-per_rank // largest.batch_size)
-        if steps < plan.gradient_accumulation_steps:
-            advice.append(
-                f"activation checkpointing {parallelism.activation_checkpointing} fits {largest.batch_size} per rank: "
-                f"{steps} accumulation step(s) instead of {plan.gradient_accumulation_steps}, for "
-                + RECOMPUTE_COST[parallelism.activation_checkpointing]
-            )
-    return advice
-
-
-def plan_document(plan: Any, found: list[tuple[Any, Any]], chosen: Any, capacity: str) -> dict[str, Any]:
-    """The plan's JSON with the sharded part: the parallelism, the chosen checkpointing, and per choice
-    the largest micro-batch per rank and the breakdown at it."""
-    document = plan.to_dict()
-    document["sharding"] = {
-        "parallelism": chosen.to_dict(),
-        "activation_checkpointing": chosen.activation_checkpointing,
-        "device": capacity,
-        "per_rank": [
-            {
-                "activation_checkpointing": parallelism.activation_checkpointing,
-                "largest_batch_size": largest.batch_size,
-                "peak_bytes": largest.estimate.peak_bytes,
-                "breakdown": dict(largest.estimate.breakdown),
-                **largest.estimate.host_part(),
-            }
-            for parallelism, largest in found
-        ],
-        "not_traced": ["NCCL buffers", "the CUDA context beyond the preset's reserve", "allocator fragmentation"],
-    }
-    return document
-
-
-def with_gradients_held(workload: str, capacity: str, seq_len: int, parallelism: Any, largest: Any) -> int:
-    """The largest micro-batch per rank when the accumulation window's gradients are alive through
-    a later micro-batch: FSDP2 keeps each rank's reduced gradient shards from one micro-batch to the
-    next, so the capacity left is smaller by their bytes (``state_bytes["gradients"]`` of the trace)."""
-    from batchfit.parallel.fit import largest_batch_size
-
-    gradients = largest.estimate.state_bytes.get("gradients", 0)
-    if gradients == 0:  # CPU offload: the gradient shards are held on the host
-        return largest.batch_size
-    capacity_bytes, _ = capacity_of(capacity)
-    with console.status("Tracing again with the accumulation window's gradients held"):
-        held = largest_batch_size(workload, seq_len, capacity_bytes - gradients, parallelism=parallelism)
-    console.print(
-        f"With the window's gradient shards held ({format_bytes(gradients)} per rank), the largest micro-batch "
-        f"per rank is {held.batch_size}.",
-        highlight=False,
-    )
-    if held.batch_size < 1:
-        raise InputError(
-            f"micro-batch 1 fits per rank, but not with the accumulation window's gradients held "
-            f"({format_bytes(gradients)}): use more ranks or --activation-checkpointing full"
-        )
-    return held.batch_size

@@ -11,7 +11,6 @@ naming it. The global batch never changes silently. Nothing here imports a frame
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from batchfit.search.result import SearchResult
 from batchfit.search.runner import DeviceSpec
 from batchfit.search.runner import search_workload
 from batchfit.search.settings import SearchSettings
+from batchfit.workflows.workload_plan import plan_workload
 
 __all__ = ["LOOP_HEADROOM", "FitResult", "deprecated_alias", "plan_global_batch", "search_and_plan"]
 
@@ -220,18 +220,19 @@ def search_and_plan(
 ) -> tuple[SearchResult, SearchResult, BatchPlan | None]:
     """``(search, one_step_search, plan)``: search one plain step; when the plan for
     ``global_batch_size`` accumulates, search again as an accumulation micro-step (no larger), whose
-    answer the plan then uses. Without a global batch the plan is ``None``. An inexact split is
+    answer the plan then uses (``batchfit.workflows.plan_workload``, the command line's path too). Without a global batch the plan is ``None``. An inexact split is
     treated as ``plan_global_batch`` says, before the caller sets anything; ``stacklevel`` places
     its warning as ``warnings.warn``'s does, counted from this function."""
-    one_step = search_workload(workload, settings, device=device)
     if global_batch_size is None:
+        one_step = search_workload(workload, settings, device=device)
         return one_step, one_step, None
-    plan = plan_batch(micro_batch_size=one_step.batch_size, global_batch_size=global_batch_size, devices=world_size)
-    found = one_step
-    if plan.gradient_accumulation_steps > 1:  # later micro-batches of a window run with the gradients alive
-        accumulating = dataclasses.replace(workload, accumulating=True)
-        found = search_workload(accumulating, settings.replace(max_batch_size=one_step.batch_size), device=device)
-    plan = plan_global_batch(
-        found.batch_size, global_batch_size, world_size, allow_inexact=allow_inexact, stacklevel=stacklevel + 1
+    found = plan_workload(  # the held search, when the plan accumulates, is never above the one-step answer
+        workload,
+        lambda largest: plan_batch(micro_batch_size=largest, global_batch_size=global_batch_size, devices=world_size),
+        settings,
+        device=device,
     )
-    return found, one_step, plan
+    plan = plan_global_batch(
+        found.search.batch_size, global_batch_size, world_size, allow_inexact=allow_inexact, stacklevel=stacklevel + 1
+    )
+    return found.search, found.one_step, plan
