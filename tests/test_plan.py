@@ -179,7 +179,9 @@ def test_heterogeneous_workers_get_shares_proportional_to_throughput():
     calibration = plan.to_dict()["hardware_calibration"]
     assert calibration["workload_distribution"] == {"fast": 0.75, "slow": 0.25}
     assert calibration["samples_per_step"] == {"fast": 75, "slow": 25}
-    equal = workload_distribution({f"worker-{i}": 0.85 for i in range(4)}, 256)  # seed 004's example
+    equal = workload_distribution(
+        {f"worker-{i}": 0.85 for i in range(4)}, 256
+    )  # four equal workers, as in the planning rules' example
     assert set(equal["workload_distribution"].values()) == {0.25} and sum(equal["samples_per_step"].values()) == 256
 
 

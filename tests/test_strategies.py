@@ -24,7 +24,7 @@ def below(edge: int):
 
 
 def test_binary_follows_seed_000_bisection():
-    # seed 000: low=1, high=512, mid=(low+high)//2; fits -> low=mid+1, OOM -> high=mid-1
+    # the classic binary search: low=1, high=512, mid=(low+high)//2; fits -> low=mid+1, OOM -> high=mid-1
     sizes, answer = run_strategy(Binary(), SearchSpace(1, 512), below(100))
     assert sizes == [256, 128, 64, 96, 112, 104, 100, 102, 101]
     assert answer == 100

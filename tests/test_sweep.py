@@ -1,4 +1,4 @@
-"""Per-configuration sweeps (seed 002): true edges, fewer trials than grow, estimates, the upper
+"""Per-configuration sweeps: true edges, fewer trials than grow, estimates, the upper
 limit, fixed sizes, the results file (resume after SIGKILL), the measure callback and the log."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_the_default_needs_fewer_trials_than_grow_per_configuration(default_run)
     grown = sweep_grid(decoder, GRID, device=f"sim:{CAPACITY}", strategy="grow", estimate=(), cache=False)
     assert result.total_trials < grown.total_trials
     assert result.total_trials == 2 * len(result.records)  # the estimate, then the size above it
-    for record in grown.records:  # grow (5 trials at most, as in seed 002) never overshoots, but may stop short
+    for record in grown.records:  # grow (5 trials at most) never overshoots, but may stop short
         assert record["batch_size_used"] <= true_edge(record["seq_len"], record["layers"])
         assert len(record["trials"]) <= 5
 

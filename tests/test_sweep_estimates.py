@@ -1,4 +1,4 @@
-"""Where a sweep's starting estimate comes from: seed 002's scale-factor rules (JSON or TOML) and
+"""Where a sweep's starting estimate comes from: scale-factor rules (JSON or TOML) and
 the memory model fitted across configurations."""
 
 from __future__ import annotations

@@ -182,8 +182,8 @@ class Microbatcher:
 
     With ``micro_batch_size=None`` the first global batch is searched for the largest micro-batch
     that fits, with the keywords of ``find_max_batch_size``: ``min_batch_size``, ``strategy``,
-    ``margin``, ``max_trials``, ``steps``, ``trace``, ``cache`` (the search never goes above the
-    global batch). ``min_batch_size`` is also the floor when shrinking: a micro-batch of that size
+    ``margin``, ``max_trials``, ``steps``, ``trace``, ``cache``, or all in one ``settings`` (a
+    ``SearchSettings``; one form or the other; the search never goes above the global batch). ``min_batch_size`` is also the floor when shrinking: a micro-batch of that size
     (or a token budget of the longest sample) that runs out of memory raises ``NoBatchFitsError``.
 
     What you gave stays in ``settings`` (a frozen ``MicrobatcherSettings``); what training changes
@@ -224,8 +224,10 @@ class Microbatcher:
         steps: int = 2,
         trace: bool | str = "auto",
         cache: CacheSpec = False,
+        settings: SearchSettings | None = None,
     ):
-        search = SearchSettings(
+        search = SearchSettings.merged(
+            settings,
             min_batch_size=min_batch_size,
             strategy=strategy,
             margin=margin,

@@ -559,6 +559,7 @@ def find_max_batch_size(
     cache: CacheSpec = False,
     parallelism: Any = None,
     confirm_steps: int | None = None,
+    settings: SearchSettings | None = None,
 ) -> SearchResult:
     """The largest batch size that really fits: every answer is a size a trial ran.
 
@@ -591,6 +592,8 @@ def find_max_batch_size(
     ``"sim:8GiB:cuda"``), the answer is confirmed by ``confirm_steps`` (default 4) steps in a row from an
     emptied cache, as training starts, going lower if it fails; ``result.extra["allocator"]`` says what the
     allocator reserved beyond the live bytes and, where predicted, the answer with expandable segments.
+    ``settings`` (a ``SearchSettings``) gives the search settings in one object, as every entry point takes
+    them; the keywords ``min_batch_size`` to ``confirm_steps`` are its aliases (one form or the other).
 
     >>> import batchfit as bf
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
@@ -600,7 +603,8 @@ def find_max_batch_size(
     >>> result.batch_size > 0 and result.trials[-1].batch_size in (result.batch_size, result.batch_size + 1)
     True
     """
-    settings = SearchSettings(
+    settings = SearchSettings.merged(
+        settings,
         min_batch_size=min_batch_size,
         max_batch_size=max_batch_size,
         strategy=strategy,

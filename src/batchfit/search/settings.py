@@ -133,6 +133,33 @@ class SearchSettings:
         return dataclasses.replace(self, **changes)
 
     @classmethod
+    def merged(cls, settings: SearchSettings | None = None, **keywords: Any) -> SearchSettings:
+        """What an entry point was given: ``settings``, or its flat keywords (``min_batch_size=...``, kept as
+        aliases), those left at their defaults counting as not given; both at once is refused, so that no
+        setting is silently overridden.
+
+        >>> SearchSettings.merged(None, max_trials=5, margin=0).max_trials
+        5
+        >>> SearchSettings.merged(SearchSettings(max_trials=5), margin="1GiB")
+        Traceback (most recent call last):
+        ...
+        batchfit.errors.InputError: give the search settings once: settings=SearchSettings(...) or the keyword margin, not both (settings.replace(margin=...) changes one)
+        """
+        defaults = {field.name: field.default for field in dataclasses.fields(cls)}
+        given = {  # True is not the default 1: a wrong type given is checked, not dropped
+            name: value
+            for name, value in keywords.items()
+            if type(value) is not type(defaults[name]) or value != defaults[name]
+        }
+        if settings is not None and given:
+            names = ", ".join(given)
+            raise InputError(
+                f"give the search settings once: settings=SearchSettings(...) or the keyword{'s' * (len(given) > 1)} "
+                f"{names}, not both (settings.replace({next(iter(given))}=...) changes one)"
+            )
+        return cls.of(settings, **given)
+
+    @classmethod
     def of(cls, settings: SearchSettings | None = None, **changes: Any) -> SearchSettings:
         """``settings`` (default: the defaults) with ``changes``: how entry points take both forms."""
         base = settings if settings is not None else cls()

@@ -221,6 +221,7 @@ def find_optimal_batch_size(
     cache: CacheSpec = False,
     clock: Callable[[], float] = time.perf_counter,
     warmup_steps: int | None = None,
+    settings: SearchSettings | None = None,
 ) -> ThroughputResult:
     """The throughput-optimal batch: the smallest within ``tolerance`` of the best samples/s.
 
@@ -233,6 +234,8 @@ def find_optimal_batch_size(
     ``time_budget_seconds``, the choice is the smallest batch whose projected epoch time fits the
     budget. The device passed in is left exactly as it was. ``warmup_steps`` is the old name of
     ``timing_warmup_steps`` (deprecated: it read as the learning-rate warmup of ``plan_batch``).
+    ``settings`` (a ``SearchSettings``) gives the search settings in one object; ``min_batch_size``,
+    ``max_batch_size``, ``strategy``, ``margin``, ``trace`` and ``cache`` are its aliases (one form or the other).
 
     >>> model = torch.nn.Linear(8, 1)
     >>> result = find_optimal_batch_size(model, torch.randn(2, 8), step_fn=lambda m, b: m(b).mean(),
@@ -255,8 +258,8 @@ def find_optimal_batch_size(
         step_fn=step_fn,
         keep_output=keep_output,
     )
-    check_maximum(max_batch_size)
-    settings = SearchSettings(
+    settings = SearchSettings.merged(
+        settings,
         min_batch_size=min_batch_size,
         max_batch_size=max_batch_size,
         strategy=strategy,
@@ -264,6 +267,7 @@ def find_optimal_batch_size(
         trace=trace,
         cache=cache,
     )
+    check_maximum(settings.max_batch_size)
     return optimal_for_workload(
         workload,
         settings,

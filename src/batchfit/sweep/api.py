@@ -1,7 +1,7 @@
 """sweep: the largest batch of every configuration in a grid, each found from an estimate.
 
-Each configuration is searched independently, under an upper limit (``max_batch_size``, seed
-002's ``--batch_size``: never exceeded), starting from an estimate taken, in order, from a
+Each configuration is searched independently, under an upper limit (``max_batch_size``, the
+command line's ``--batch-size``: never exceeded), starting from an estimate taken, in order, from a
 memory model fitted across the configurations already measured (``crossconfig``), the trace
 device, or scale-factor rules (``rules``). Every configuration's record is written to the results
 file as soon as it is known, so a crash loses nothing and a re-run resumes; with the result cache
@@ -68,6 +68,7 @@ def sweep_grid(
     steps: int = 2,
     log: Callable[[str], None] | None = None,
     name: str | None = None,
+    settings: SearchSettings | None = None,
 ) -> SweepResult:
     """The largest batch of every configuration of ``grid``: ``factory(**knobs)`` builds each one's
     ``Workload`` (any mode: ``train``, ``eval``, ``generate``).
@@ -82,6 +83,9 @@ def sweep_grid(
     missing. ``measure(knobs, batch_size, workload)`` runs the real measurement with the batch found;
     a dict it returns joins the record. ``cache`` (default on) answers configurations searched
     before with zero trials. ``log`` receives one line per trial and configuration (default: the ``batchfit`` logger).
+    ``settings`` (a ``SearchSettings``) gives the search settings in one object; ``max_batch_size``,
+    ``min_batch_size``, ``strategy``, ``margin``, ``max_trials`` and ``steps`` are its aliases (one form or the
+    other).
 
     >>> import batchfit as bf
     >>> from batchfit.cli.examples import gpt_tiny
@@ -93,17 +97,17 @@ def sweep_grid(
     unknown = [source for source in estimate if source not in ESTIMATE_SOURCES]
     if unknown:
         raise InputError(f"unknown estimate source(s) {unknown}: choose from {', '.join(ESTIMATE_SOURCES)}")
-    if not auto_adjust and max_batch_size is None:
-        raise InputError("auto_adjust=False uses one fixed size: give it as max_batch_size (--batch-size)")
-    search = SearchSettings(
+    search = SearchSettings.merged(
+        settings,
         min_batch_size=min_batch_size,
         max_batch_size=max_batch_size,
         strategy=strategy,
         margin=margin,
         max_trials=max_trials,
         steps=steps,
-        trace=False,  # the sweep traces through its estimate sources, once per configuration
-    )
+    ).replace(trace=False)  # the sweep traces through its estimate sources, once per configuration
+    if not auto_adjust and search.max_batch_size is None:
+        raise InputError("auto_adjust=False uses one fixed size: give it as max_batch_size (--batch-size)")
     if isinstance(rules, (str, Path)):
         rules = ScaleRules.load(rules)
     elif isinstance(rules, Mapping):
