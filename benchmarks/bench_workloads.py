@@ -22,11 +22,11 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.cli.examples import cnn_small
-from batchfit.cli.examples import gpt_tiny
-from batchfit.cli.examples import mlp
 from batchfit.search.files import atomic_write_text
 from batchfit.search.prober import Prober
+from batchfit.step.builtin_workloads import cnn_small
+from batchfit.step.builtin_workloads import gpt_tiny
+from batchfit.step.builtin_workloads import mlp
 
 HERE = Path(__file__).parent
 EDGES_PATH = HERE / "true_edges.json"

@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.cli.examples import cnn_small
-from batchfit.cli.examples import gpt_tiny
-from batchfit.cli.examples import mlp
 from batchfit.search.files import atomic_write_text
 from batchfit.step.batching import resize_batch
 from batchfit.step.batching import slice_batch
+from batchfit.step.builtin_workloads import cnn_small
+from batchfit.step.builtin_workloads import gpt_tiny
+from batchfit.step.builtin_workloads import mlp
 from batchfit.step.workload import compute_loss
 
 HERE = Path(__file__).parent

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.cli.examples import mlp
 from batchfit.search.files import atomic_write_text
+from batchfit.step.builtin_workloads import mlp
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.cli.examples import cnn_small
-from batchfit.cli.examples import gpt_tiny
-from batchfit.cli.examples import mlp
 from batchfit.search.files import atomic_write_text
 from batchfit.search.prober import Prober
+from batchfit.step.builtin_workloads import cnn_small
+from batchfit.step.builtin_workloads import gpt_tiny
+from batchfit.step.builtin_workloads import mlp
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "tests"))

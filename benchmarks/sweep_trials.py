@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.cli.examples import cnn_small
-from batchfit.cli.examples import gpt_tiny
 from batchfit.search.files import atomic_write_text
+from batchfit.step.builtin_workloads import cnn_small
+from batchfit.step.builtin_workloads import gpt_tiny
 
 HERE = Path(__file__).parent
 CAP = 256  # the sweep's upper limit on the batch size, the same for every method

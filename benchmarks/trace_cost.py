@@ -33,14 +33,14 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.cli.examples import TinyGPT
-from batchfit.cli.examples import gpt_tiny
-from batchfit.cli.examples import next_token_loss
 from batchfit.devices.units import format_bytes
 from batchfit.search.estimate import estimate_workload
 from batchfit.search.files import atomic_write_text
 from batchfit.search.prober import Prober
 from batchfit.search.runner import trace_estimate
+from batchfit.step.builtin_workloads import TinyGPT
+from batchfit.step.builtin_workloads import gpt_tiny
+from batchfit.step.builtin_workloads import next_token_loss
 
 OTHER_SECTIONS = "## torch.nn layers on the trace"  # written by nn_layers_trace.py
 HERE = Path(__file__).parent

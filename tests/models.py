@@ -10,9 +10,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.cli.examples import MLPClassifier
-from batchfit.cli.examples import TinyGPT
-from batchfit.cli.examples import next_token_loss
+from batchfit.step.builtin_workloads import MLPClassifier
+from batchfit.step.builtin_workloads import TinyGPT
+from batchfit.step.builtin_workloads import next_token_loss
 
 
 def mlp_tuple() -> bf.Workload:

@@ -117,7 +117,7 @@ def test_padding_to_the_longest_sequence_makes_the_worst_case():
 
 def test_the_search_at_the_longest_sequence_finds_a_smaller_batch():
     import batchfit as bf
-    from batchfit.cli.examples import gpt_tiny
+    from batchfit.step.builtin_workloads import gpt_tiny
 
     work = gpt_tiny(seq_len=128)  # a model for sequences up to 128 tokens
     ids, targets = work.sample_batch

@@ -201,7 +201,7 @@ torch.manual_seed(0)
 model = torch.nn.Linear(16, 4)
 work = bf.Workload(model, (torch.randn(3, 16), torch.randint(0, 4, (3,))), step_fn=make(torch.ones(4)))
 print(fingerprint(fingerprint_fields(work, bf.SimulatedDevice("1MiB"), {})))
-from batchfit.cli.examples import gpt_tiny
+from batchfit.step.builtin_workloads import gpt_tiny
 print(fingerprint(fingerprint_fields(gpt_tiny(), bf.SimulatedDevice("64MiB"), {})))
 """
 
@@ -217,7 +217,7 @@ def test_a_step_with_captured_values_has_the_same_key_in_another_process():
         )
         for seed in ("0", "1")
     ]
-    from batchfit.cli.examples import gpt_tiny
+    from batchfit.step.builtin_workloads import gpt_tiny
 
     here = fingerprint(fingerprint_fields(gpt_tiny(), bf.SimulatedDevice("64MiB"), {}))
     runs = [proc.communicate(timeout=120)[0].split() for proc in procs]

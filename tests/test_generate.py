@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import batchfit as bf
-from batchfit.cli.examples import TinyGPT
+from batchfit.step.builtin_workloads import TinyGPT
 from batchfit.step.workload import Workload
 from models import decoder
 

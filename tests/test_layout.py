@@ -41,7 +41,7 @@ HEAVY = [
     "mlx",
     "typer",
     "batchfit.cli",
-    "batchfit.cli.examples",
+    "batchfit.step.builtin_workloads",
 ]
 PUBLIC = [
     "ACCELERATORS",

@@ -12,11 +12,11 @@ import torch
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.cli.examples import gpt_tiny
 from batchfit.runtime import microbatch
 from batchfit.runtime.evaluation import EvalMicrobatcher
 from batchfit.runtime.microbatch import Microbatcher
 from batchfit.runtime.microbatch import StepRecord
+from batchfit.step.builtin_workloads import gpt_tiny
 
 GLOBAL = 64
 

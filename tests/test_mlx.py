@@ -17,7 +17,6 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 import batchfit as bf
-from batchfit.cli.examples import mlp
 from batchfit.integrations.mlx import MLX_OOM_MESSAGES
 from batchfit.integrations.mlx import MlxDevice
 from batchfit.integrations.mlx import MlxProber
@@ -30,6 +29,7 @@ from batchfit.integrations.mlx.batch import resize_batch
 from batchfit.search.runner import search_workload
 from batchfit.search.strategies import Binary
 from batchfit.search.strategies import SearchSpace
+from batchfit.step.builtin_workloads import mlp
 from strategy_harness import run_strategy
 
 OOM_MESSAGE = "[malloc] Unable to allocate 4294967296 bytes."  # as MLX's allocator raises it

@@ -8,9 +8,9 @@ import torch
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.cli.examples import gpt_tiny
 from batchfit.errors import InputError
 from batchfit.search.settings import SearchSettings
+from batchfit.step.builtin_workloads import gpt_tiny
 
 SETTINGS = SearchSettings(strategy="binary", max_batch_size=64, max_trials=4, trace=False)
 KEYWORDS = {"strategy": "binary", "max_batch_size": 64, "max_trials": 4, "trace": False}

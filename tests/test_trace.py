@@ -16,9 +16,6 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.cli.examples import cnn_small
-from batchfit.cli.examples import gpt_tiny
-from batchfit.cli.examples import mlp
 from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.caching_allocator import CachingAllocator
 from batchfit.devices.cuda_kernels import CudaTarget
@@ -35,6 +32,9 @@ from batchfit.search.estimate import estimate_workload
 from batchfit.search.memory_model import StorageLines
 from batchfit.search.memory_model import StorageRecord
 from batchfit.search.runner import trace_estimate
+from batchfit.step.builtin_workloads import cnn_small
+from batchfit.step.builtin_workloads import gpt_tiny
+from batchfit.step.builtin_workloads import mlp
 from models import CASES
 from models import Case
 from models import cnn_bn

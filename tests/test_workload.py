@@ -12,8 +12,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.cli.examples import MLPClassifier
 from batchfit.step.batching import resize_batch
+from batchfit.step.builtin_workloads import MLPClassifier
 
 SIM = "sim:4MiB"
 

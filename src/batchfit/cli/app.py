@@ -35,7 +35,6 @@ from batchfit.cli.common import header_line
 from batchfit.cli.common import load_for_cli
 from batchfit.cli.common import parse_margin
 from batchfit.cli.common import with_loop
-from batchfit.cli.examples import BUILTIN_WORKLOADS
 from batchfit.cli.progress import ConsoleProgress
 from batchfit.cli.report import breakdown_table
 from batchfit.cli.report import print_result
@@ -61,6 +60,7 @@ from batchfit.search.runner import traces_first
 from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import STRATEGIES
 from batchfit.search.trial import Trial
+from batchfit.step.builtin_workloads import BUILTIN_WORKLOADS
 from batchfit.workflows.rank_workloads import rank_workload
 from batchfit.workflows.ranks import capacity_of
 from batchfit.workflows.routing import DEFAULT_SEQ_LEN

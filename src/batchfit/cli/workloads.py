@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from batchfit.cli.examples import BUILTIN_WORKLOADS
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
+from batchfit.step.builtin_workloads import BUILTIN_WORKLOADS
 from batchfit.step.factory import accepted_options
 from batchfit.step.factory import check_options
 from batchfit.step.workload import Workload

@@ -88,7 +88,7 @@ def sweep_grid(
     other).
 
     >>> import batchfit as bf
-    >>> from batchfit.cli.examples import gpt_tiny
+    >>> from batchfit.step.builtin_workloads import gpt_tiny
     >>> result = sweep_grid(gpt_tiny, {"seq_len": [16, 32]}, device="sim:32MiB", cache=False)
     >>> [r["batch_size_used"] for r in result.records], result.total_trials
     ([66, 33], 4)

@@ -1,4 +1,4 @@
-"""Built-in MLX workloads, the MLX twins of ``batchfit.cli.examples``: made here, nothing downloaded, seeded."""
+"""Built-in MLX workloads, the MLX twins of ``batchfit.step.builtin_workloads``: made here, nothing downloaded, seeded."""
 
 from __future__ import annotations
 
