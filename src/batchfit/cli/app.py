@@ -44,21 +44,28 @@ from batchfit.cli.report import trials_table
 from batchfit.cli.report import write_json
 from batchfit.cli.workloads import describe_builtins
 from batchfit.cli.workloads import load_workload
+from batchfit.devices.presets import preset
 from batchfit.devices.resolve import resolve_device
 from batchfit.devices.trace import TraceDevice
+from batchfit.devices.trace import tracing
+from batchfit.devices.trace import undercount_message
 from batchfit.devices.units import format_bytes
 from batchfit.devices.units import parse_bytes
 from batchfit.errors import InputError
 from batchfit.parallel.copied import ShardedCopy
+from batchfit.parallel.models import LLM_PRESETS
 from batchfit.parallel.settings import Parallelism
+from batchfit.planning.noise import goodput
 from batchfit.planning.plan import BatchPlan
 from batchfit.planning.plan import plan_batch
+from batchfit.search.estimate import estimate_workload
 from batchfit.search.evidence import before_any_trial
 from batchfit.search.runner import device_for
 from batchfit.search.runner import search_workload
 from batchfit.search.runner import traces_first
 from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import STRATEGIES
+from batchfit.search.throughput import optimal_for_workload
 from batchfit.search.trial import Trial
 from batchfit.step.builtin_workloads import BUILTIN_WORKLOADS
 from batchfit.workflows.rank_workloads import rank_workload
@@ -250,10 +257,6 @@ def estimate(
     An LLM preset (batchfit list-workloads) or a Hugging Face config.json is built from its config
     on fake tensors and traced per rank: with --gpus N (or --nodes and --gpus-per-node) under
     FSDP2, sharded by torch's own fully_shard over a fake process group."""
-    from batchfit.devices.presets import preset
-    from batchfit.devices.trace import TraceDevice
-    from batchfit.devices.trace import tracing
-    from batchfit.search.estimate import estimate_workload
 
     if (gpu is None) == (capacity is None):
         raise InputError("give exactly one of --gpu (e.g. --gpu a100-40gb) or --capacity (e.g. --capacity 40GiB)")
@@ -348,7 +351,6 @@ def _verdict(at: Trial, capacity_bytes: int) -> str:
 
 
 def _print_estimate(largest: Any, breakdown: Any, batch_size: int | None) -> None:
-    from batchfit.devices.trace import undercount_message
 
     console.print(breakdown_table(breakdown))
     undercounted = breakdown.undercounted_ops
@@ -418,7 +420,6 @@ def optimal(
     debug: Debug = False,
 ) -> None:
     """Maximum is not optimal: time steps across batch sizes and pick the throughput-optimal one."""
-    from batchfit.search.throughput import optimal_for_workload
 
     work, options = load_for_cli(workload, seq_len, image_size, amp, keep_output=keep_output)
     dev = resolve_device(device, work.model)
@@ -464,7 +465,6 @@ def optimal(
 
 
 def _print_goodput(result: Any, noise_scale: float) -> Any:
-    from batchfit.planning.noise import goodput
 
     found = goodput(result, noise_scale)
     console.print(
@@ -689,8 +689,6 @@ def list_workloads(
     for name, line in describe_builtins(framework.value).items():
         console.print(f"[bold]{name:10}[/] {line}", highlight=False)
     if framework is Framework.torch:
-        from batchfit.parallel.models import LLM_PRESETS
-
         console.print("LLMs built from their published configs, on fake tensors (batchfit estimate NAME --gpus N):")
         for name in LLM_PRESETS:
             console.print(f"[bold]{name:12}[/] {preset_line(name)}", highlight=False)
@@ -698,7 +696,6 @@ def list_workloads(
 
 def preset_line(name: str) -> str:
     """What the LLM preset ``name`` is: its layers, width and vocabulary, from its config."""
-    from batchfit.parallel.models import LLM_PRESETS
 
     config = LLM_PRESETS[name]
     layers = config.get("num_hidden_layers", config.get("n_layer"))

@@ -19,6 +19,7 @@ from batchfit.cli.workloads import load_workload
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
+from batchfit.search.files import check_writable
 from batchfit.search.settings import LARGEST_SIZE
 from batchfit.step.workload import Workload
 
@@ -128,7 +129,6 @@ def with_loop(work: Any, keep_output: bool) -> Any:
 def check_outputs(json_path: Path | None = None, plot: Path | None = None) -> None:
     """Fail before the work, not after it, when an output's folder does not exist, or a plot is asked
     for and matplotlib is missing."""
-    from batchfit.search.files import check_writable
 
     for path in (json_path, plot):
         if path is not None:

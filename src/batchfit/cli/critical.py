@@ -23,8 +23,12 @@ from batchfit.cli.report import write_json
 from batchfit.cli.workloads import load_workload
 from batchfit.errors import InputError
 from batchfit.planning.noise import NoiseScale
+from batchfit.planning.plan import plan_batch
+from batchfit.runtime.critical import critical_batch_by_training
+from batchfit.runtime.noise_measure import measure_noise_scale
 from batchfit.step.batching import batch_length
 from batchfit.step.batching import select_rows
+from batchfit.step.batching import slice_batch
 
 
 def draws(population: Any, batch_size: int, seed: int) -> Iterator[Any]:
@@ -82,8 +86,6 @@ def critical(
     rate scaled linearly from the smallest), validated on a held-out quarter of the rows. That
     costs one training run per size: expensive by nature.
     """
-    from batchfit.planning.plan import plan_batch
-    from batchfit.runtime.noise_measure import measure_noise_scale
 
     if micro_batch_size < 1:
         raise InputError(f"--micro-batch-size must be a positive integer, got {micro_batch_size}")
@@ -149,8 +151,6 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def _empirical(spec: str, work: Any, population: int, seq_len: int | None, sizes: list[int], samples: int) -> Any:
-    from batchfit.runtime.critical import critical_batch_by_training
-    from batchfit.step.batching import slice_batch
 
     if work.optimizer is None:
         raise InputError("--empirical trains: the workload needs an optimizer")
