@@ -158,6 +158,113 @@ def test_every_import_respects_the_layers():
     assert violations() == []
 
 
+# Function-local imports allowed to close a circle: (importer, imported) -> why no module-level structure can do
+# without it. Each is a public method that builds an object of a module above its own class's.
+LATE_IMPORTS = {
+    ("batchfit.parallel.settings", "batchfit.parallel.copied"): (
+        "Parallelism.one_rank(workload) builds a ShardedCopy, which traces in a RankSession, which takes and "
+        "defaults a Parallelism: the search calls one_rank on the user's Parallelism, as it may not import parallel"
+    ),
+}
+
+
+def module_of(path: Path, root: Path = PACKAGE) -> str:
+    """``batchfit.devices.units`` for ``devices/units.py``; a package is its ``__init__.py``."""
+    parts = ("batchfit", *path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _in_function(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return True
+    return False
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The batchfit modules one import statement names: ``from a.b import c`` names ``a.b.c`` where that is a
+    module, else ``a.b``; relative imports are resolved against ``module``."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names} & modules
+    base = node.module or ""
+    if node.level:
+        package = module if is_package else module.rpartition(".")[0]
+        package = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+        base = f"{package}.{base}" if base else package
+    return {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names} & modules
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Every batchfit module and the batchfit modules it imports when it runs: at module level or inside a
+    function, never under ``if TYPE_CHECKING:``, and not the ``LATE_IMPORTS``."""
+    paths = {module_of(path, root): path for path in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        tree = ast.parse(path.read_text())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        graph[module] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and not _type_checking_only(node, parents):
+                targets = _targets(node, module, path.name == "__init__.py", set(paths)) - {module}
+                late = _in_function(node, parents)
+                graph[module] |= {target for target in targets if not (late and (module, target) in LATE_IMPORTS)}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def test_no_import_circles():
+    """No two batchfit modules import each other, directly or around a circle. An import counts where it runs:
+    at module level or inside a function (a function-local import still ties the two modules; moving an import
+    into a function to dodge a circle hides it, and is caught), but not under ``if TYPE_CHECKING:`` (it never
+    runs). The one exception is named in ``LATE_IMPORTS`` with its reason. ``from a import b`` is an arrow to
+    the module ``a.b`` where ``b`` is one, else to package ``a``'s ``__init__``; relative imports are resolved."""
+    found = circles(import_graph())
+    file_of = {module_of(path): path.relative_to(PACKAGE.parent) for path in PACKAGE.rglob("*.py")}
+    files = ["\n  ".join(str(file_of[module]) for module in circle) for circle in found]
+    assert found == [], "import circles (each a set of files that import one another):\n  " + "\n\n  ".join(files)
+
+
+def test_the_circle_check_catches_a_function_local_import(tmp_path):
+    """The check itself can fail: a function-local or relative import closes a circle; a TYPE_CHECKING one does not."""
+    root = tmp_path / "batchfit"
+    (root / "pkg").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "pkg" / "__init__.py").write_text("from batchfit.pkg.low import LOW\n")
+    (root / "pkg" / "low.py").write_text("LOW = 1\n\ndef high():\n    from batchfit.pkg import high\n")
+    (root / "pkg" / "high.py").write_text("from .low import LOW\n")
+    (root / "hints.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import batchfit.typed\n")
+    (root / "typed.py").write_text("import batchfit.hints\n")
+    assert circles(import_graph(root)) == [["batchfit.pkg.high", "batchfit.pkg.low"]]
+
+
 def test_the_contract_catches_a_core_module_importing_the_cli(tmp_path):
     """The check itself can fail: a copy of the package where the prober imports the CLI breaks it."""
     copy = tmp_path / "batchfit"

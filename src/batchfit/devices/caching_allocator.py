@@ -28,100 +28,21 @@ Streams, CUDA graphs and private pools are not modelled: one stream, the default
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-from dataclasses import dataclass
 
+from batchfit.devices.allocator_blocks import SMALL_BUFFER_BYTES
+from batchfit.devices.allocator_blocks import AllocatorStats
+from batchfit.devices.allocator_blocks import Block
+from batchfit.devices.allocator_blocks import Pool
 from batchfit.devices.allocator_settings import LARGE_SEGMENT_BYTES
 from batchfit.devices.allocator_settings import MIB
 from batchfit.devices.allocator_settings import AllocatorSettings
+from batchfit.devices.expandable import Expandable
 
 MIN_BLOCK_BYTES = 512  # kMinBlockSize
 SMALL_SIZE_BYTES = MIB  # kSmallSize: the largest small-pool request
-SMALL_BUFFER_BYTES = 2 * MIB  # kSmallBuffer: a small-pool segment
 MIN_LARGE_ALLOC_BYTES = 10 * MIB  # kMinLargeAlloc: large requests below it share a 20 MiB segment
 ROUND_LARGE_BYTES = 2 * MIB  # kRoundLarge
-
-
-class Block:
-    """A piece of a segment: free or allocated, with its neighbours in the segment (``prev``, ``next``)."""
-
-    __slots__ = ("allocated", "expandable", "gc_base", "mapped", "next", "pool", "prev", "ptr", "size")
-
-    def __init__(self, pool: Pool, ptr: int, size: int, *, mapped: bool = True, expandable: bool = False):
-        self.pool = pool
-        self.ptr = ptr
-        self.size = size
-        self.allocated = False
-        self.mapped = mapped
-        self.expandable = expandable
-        self.prev: Block | None = None
-        self.next: Block | None = None
-        self.gc_base = 0
-
-    def copy_to(self, pool: Pool) -> Block:
-        """A copy of this block in ``pool``, unlinked (``CachingAllocator.copy`` links the copies)."""
-        twin = Block(pool, self.ptr, self.size, mapped=self.mapped, expandable=self.expandable)
-        twin.allocated, twin.gc_base = self.allocated, self.gc_base
-        return twin
-
-    def is_split(self) -> bool:
-        return self.prev is not None or self.next is not None
-
-    def splice(self, before: Block | None, after: Block | None) -> None:
-        """Link this block between ``before`` and ``after``."""
-        self.prev, self.next = before, after
-        if before is not None:
-            before.next = self
-        if after is not None:
-            after.prev = self
-
-
-class Pool:
-    """The free blocks of one pool, ordered by (size, address) as torch's ``BlockComparatorSize``; the unmapped
-    ranges of its expandable segment; and its count of cache lookups (the garbage collector's clock)."""
-
-    def __init__(self, small: bool):
-        self.small = small
-        self.keys: list[tuple[int, int]] = []
-        self.blocks: dict[int, Block] = {}  # address -> free block
-        self.unmapped: dict[int, Block] = {}  # address -> unmapped range (expandable segments)
-        self.lookups = 0
-
-    def insert(self, block: Block) -> None:
-        bisect.insort(self.keys, (block.size, block.ptr))
-        self.blocks[block.ptr] = block
-        block.gc_base = self.lookups  # insert_into_blocks: the block's age starts now
-
-    def erase(self, block: Block) -> None:
-        index = bisect.bisect_left(self.keys, (block.size, block.ptr))
-        del self.keys[index]
-        del self.blocks[block.ptr]
-
-    def remove(self, block: Block) -> None:
-        """Take ``block`` out of whichever set holds it (free or unmapped)."""
-        if block.mapped:
-            self.erase(block)
-        else:
-            del self.unmapped[block.ptr]
-
-    def at_least(self, size: int) -> int:
-        """The index in ``keys`` of the smallest free block of ``size`` bytes or more."""
-        return bisect.bisect_left(self.keys, (size, -1))
-
-
-@dataclass
-class AllocatorStats:
-    """What ``torch.cuda.memory_stats`` reports, for the aggregate of both pools."""
-
-    allocated_bytes: int = 0
-    reserved_bytes: int = 0
-    peak_allocated_bytes: int = 0
-    peak_reserved_bytes: int = 0
-    num_alloc_retries: int = 0
-    num_ooms: int = 0
-    num_device_alloc: int = 0
-    num_device_free: int = 0
 
 
 def round_size(size: int, settings: AllocatorSettings) -> int:
@@ -192,8 +113,6 @@ class CachingAllocator:
         self.stats = AllocatorStats()
         self.active: set[Block] = set()  # the blocks handed out
         self._next_address = 0
-        from batchfit.devices.expandable import Expandable  # the expandable segments' half of the allocator
-
         self.expandable = Expandable(self) if self.settings.expandable_segments else None
 
     # -- requests ------------------------------------------------------------------------------------------

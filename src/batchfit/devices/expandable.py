@@ -10,17 +10,27 @@ needs are not there, never for want of a contiguous hole. Rules from torch's ``C
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from batchfit.devices.allocator_blocks import SMALL_BUFFER_BYTES
+from batchfit.devices.allocator_blocks import AllocatorStats
+from batchfit.devices.allocator_blocks import Block
+from batchfit.devices.allocator_blocks import Pool
 from batchfit.devices.allocator_settings import LARGE_SEGMENT_BYTES
-from batchfit.devices.caching_allocator import SMALL_BUFFER_BYTES
-from batchfit.devices.caching_allocator import Block
-from batchfit.devices.caching_allocator import Pool
-
-if TYPE_CHECKING:
-    from batchfit.devices.caching_allocator import CachingAllocator
 
 ADDRESS_SPACE_FACTOR = 1.125  # each segment reserves addresses for 1.125 x the device's memory
+
+
+class Owner(Protocol):
+    """What ``Expandable`` uses of the ``CachingAllocator`` it is half of (which imports this module)."""
+
+    capacity_bytes: int
+    stats: AllocatorStats
+
+    def free_bytes(self) -> int: ...
+    def _reserve(self, nbytes: int) -> None: ...
+    def _address(self, nbytes: int) -> int: ...
+    def _merge(self, block: Block, other: Block | None) -> int: ...
 
 
 def _expandable_size(block: Block) -> int:
@@ -32,14 +42,14 @@ def _expandable_size(block: Block) -> int:
 class Expandable:
     """The expandable half of one ``CachingAllocator``: a segment per pool, its page size and base address."""
 
-    def __init__(self, allocator: CachingAllocator):
+    def __init__(self, allocator: Owner):
         self.allocator = allocator
         self.bases: dict[bool, int] = {}  # pool.small -> the segment's first address
 
     def page_bytes(self, pool: Pool) -> int:
         return SMALL_BUFFER_BYTES if pool.small else LARGE_SEGMENT_BYTES
 
-    def copy_to(self, allocator: CachingAllocator) -> Expandable:
+    def copy_to(self, allocator: Owner) -> Expandable:
         twin = Expandable(allocator)
         twin.bases = dict(self.bases)
         return twin

@@ -1,9 +1,11 @@
-"""Byte quantities: parse "8GiB"-style strings and print sizes for people."""
+"""Byte quantities: parse "8GiB"-style strings (``parse_bytes``) and print sizes for people (``format_bytes``,
+defined in ``batchfit.devices.byte_format``, which imports nothing: ``errors`` hints ``Trial``, which prints sizes)."""
 
 from __future__ import annotations
 
 import re
 
+from batchfit.devices.byte_format import format_bytes as format_bytes
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
 
@@ -43,15 +45,3 @@ def parse_bytes(value: int | str, *, what: str = "capacity", allow_zero: bool = 
     if count < 0 or (count == 0 and not allow_zero):
         raise InputError(f"{what} must be positive, got {value!r}")
     return count
-
-
-def format_bytes(count: int | float | None) -> str:
-    """Print a byte count with a binary unit: ``format_bytes(3 * 2**30) == "3.0 GiB"``."""
-    if count is None:
-        return "?"
-    size = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"

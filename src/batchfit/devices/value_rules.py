@@ -10,8 +10,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 from typing import Any
+from typing import Protocol
 
 import torch
 from torch._subclasses import fake_tensor
@@ -19,11 +19,25 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from batchfit.errors import TraceError
 
-if TYPE_CHECKING:
-    from batchfit.devices.fake_values import TraceFakeMode
-
-
 UNKNOWN = object()  # a value the trace cannot know
+
+
+class KeptValues(Protocol):
+    """The real values a fake mode keeps beside its fake tensors."""
+
+    def get(self, fake: torch.Tensor) -> torch.Tensor | None: ...
+
+
+class ValueMode(Protocol):
+    """What these rules ask of the fake mode that runs them: ``fake_values.TraceFakeMode`` (which imports this
+    module), entered to make fakes, with its kept values, the values of a tensor and new fake tensors."""
+
+    shadows: KeptValues
+
+    def __enter__(self) -> Any: ...
+    def __exit__(self, *exc_info: object) -> Any: ...
+    def value(self, tensor: Any) -> torch.Tensor | None: ...
+    def fake_like(self, shape: Any, dtype: torch.dtype, device: torch.device, stride: Any = None) -> torch.Tensor: ...
 
 
 def leaves(value: Any) -> Iterator[Any]:
@@ -38,7 +52,7 @@ def leaves(value: Any) -> Iterator[Any]:
         yield value
 
 
-def _pack_padded(mode: TraceFakeMode, input: torch.Tensor, lengths: torch.Tensor, batch_first: bool) -> Any:
+def _pack_padded(mode: ValueMode, input: torch.Tensor, lengths: torch.Tensor, batch_first: bool) -> Any:
     """``aten._pack_padded_sequence`` (``pack_padded_sequence``): the packed rows are the sum of the
     lengths, whose values the trace keeps; the real kernel runs on a stand-in without data. The
     batch sizes stay real, as the recurrent layers' C++ reads them (a small host tensor, as in
@@ -51,7 +65,7 @@ def _pack_padded(mode: TraceFakeMode, input: torch.Tensor, lengths: torch.Tensor
     return mode.fake_like((data.shape[0], *input.shape[2:]), input.dtype, input.device), batch_sizes
 
 
-def _ctc_loss(mode: TraceFakeMode, log_probs: torch.Tensor, targets, input_lengths, target_lengths, *rest) -> Any:
+def _ctc_loss(mode: ValueMode, log_probs: torch.Tensor, targets, input_lengths, target_lengths, *rest) -> Any:
     """``aten._ctc_loss`` (``nn.CTCLoss``): the loss per row and the alphas, (batch, time,
     2 * longest target + 1), the longest target read from the kept lengths."""
     values = mode.value(target_lengths)
@@ -92,7 +106,7 @@ class NestedStandIns:
     )
     ENTRIES = frozenset((FROM_MASK, ALIGNED))  # the ops that start the fast path
 
-    def __init__(self, mode: TraceFakeMode) -> None:
+    def __init__(self, mode: ValueMode) -> None:
         self.mode = mode
         self.ids: dict[int, weakref.ref] = {}
         self.inside = 0  # > 0 while a fused layer runs on a stand-in (its own ops are its business)

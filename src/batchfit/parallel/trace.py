@@ -38,6 +38,7 @@ from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
 from batchfit.parallel import accelerator
+from batchfit.parallel.child_session import ChildSession
 from batchfit.parallel.counting import HostAndDeviceBytes
 from batchfit.parallel.counting import PeakMoment
 from batchfit.parallel.counting import RankBytes
@@ -479,8 +480,6 @@ class RankSession:
 
     def _enter_child(self) -> RankSession:
         """Trace in a child process with the fake accelerator (whose registration is process-wide)."""
-        from batchfit.parallel.offload import ChildSession
-
         options = {**self._spec, "parallelism": self.parallelism, "steps": self.steps}
         self._child = ChildSession(self.seq_len, options)
         self._stack = contextlib.ExitStack()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
-from batchfit.devices.units import format_bytes
+from batchfit.devices.byte_format import format_bytes
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any
 from batchfit.integrations.mlx.device import MlxDevice
 from batchfit.integrations.mlx.device import resolve_mlx_device
 from batchfit.integrations.mlx.probe import MlxProber
-from batchfit.integrations.mlx.workload import MlxWorkload
+from batchfit.integrations.mlx.trainable import MlxTrainable
 
 
 class MlxBackend:
@@ -19,14 +19,14 @@ class MlxBackend:
 
     name = "mlx"
 
-    def resolve_device(self, workload: MlxWorkload, spec: Any) -> MlxDevice:
+    def resolve_device(self, workload: MlxTrainable, spec: Any) -> MlxDevice:
         """The ``MlxDevice`` for ``spec`` (``None``/``"auto"``, ``"mlx"``, ``"mlx:8GiB"``, an ``MlxDevice``)."""
         return resolve_mlx_device(spec)
 
-    def bytes_per_sample(self, workload: MlxWorkload) -> int:
+    def bytes_per_sample(self, workload: MlxTrainable) -> int:
         return workload.bytes_per_sample()
 
-    def prober(self, workload: MlxWorkload, device: MlxDevice, *, steps: int, limit_bytes: int | None) -> MlxProber:
+    def prober(self, workload: MlxTrainable, device: MlxDevice, *, steps: int, limit_bytes: int | None) -> MlxProber:
         return MlxProber(workload, device, steps=steps, limit_bytes=limit_bytes)
 
     def auto_strategy(self, device: MlxDevice) -> str:
@@ -39,7 +39,7 @@ class MlxBackend:
     def is_trace(self, device: MlxDevice) -> bool:
         return False  # every MLX device runs the step for real
 
-    def can_trace(self, workload: MlxWorkload) -> bool:
+    def can_trace(self, workload: MlxTrainable) -> bool:
         return False  # no fake-tensor estimate for MLX: the search probes from the start
 
     def __repr__(self) -> str:

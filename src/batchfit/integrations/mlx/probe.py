@@ -26,7 +26,7 @@ from batchfit.integrations.mlx.batch import resize_batch
 from batchfit.integrations.mlx.device import MlxDevice
 from batchfit.integrations.mlx.device import is_mlx_oom
 from batchfit.integrations.mlx.snapshot import MlxSnapshot
-from batchfit.integrations.mlx.workload import MlxWorkload
+from batchfit.integrations.mlx.trainable import MlxTrainable
 from batchfit.search.prober import check_room
 from batchfit.search.prober import check_steps
 from batchfit.search.trial import Trial
@@ -48,6 +48,7 @@ class MlxProber:
     other exception, ``KeyboardInterrupt`` included, propagates unchanged after the state is restored.
 
     >>> import mlx.nn as nn, mlx.optimizers as optim
+    >>> from batchfit.integrations.mlx.workload import MlxWorkload
     >>> work = MlxWorkload(nn.Linear(4, 1), mx.zeros((2, 4)), loss_fn=lambda out, batch: out.mean(),
     ...                    optimizer=optim.Adam(learning_rate=1e-3))
     >>> with MlxProber(work, MlxDevice("64MiB")) as prober:
@@ -60,7 +61,7 @@ class MlxProber:
 
     def __init__(
         self,
-        workload: MlxWorkload,
+        workload: MlxTrainable,
         device: MlxDevice,
         *,
         steps: int = 2,

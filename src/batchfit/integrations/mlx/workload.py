@@ -16,6 +16,8 @@ from mlx.utils import tree_flatten
 
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
+from batchfit.integrations.mlx.backend import MLX
+from batchfit.integrations.mlx.backend import MlxBackend
 from batchfit.integrations.mlx.batch import as_mlx
 from batchfit.integrations.mlx.batch import batch_length
 from batchfit.integrations.mlx.batch import bytes_per_sample
@@ -68,10 +70,8 @@ class MlxWorkload:
         self.sample_length = batch_length(self.sample_batch)
         self.name = self.name or type(self.model).__name__
 
-    def backend(self) -> Any:
+    def backend(self) -> MlxBackend:
         """How the search runs this workload: ``batchfit.integrations.mlx.backend.MLX``."""
-        from batchfit.integrations.mlx.backend import MLX  # the backend builds on this module
-
         return MLX
 
     def bytes_per_sample(self) -> int:
