@@ -11,7 +11,7 @@ from rich.table import Table
 from batchfit.cli.common import console
 from batchfit.devices.units import format_bytes
 from batchfit.workflows.progress import Progress
-from batchfit.workflows.verification import PlanVerification
+from batchfit.workflows.verdict import PlanVerification
 
 
 class ConsoleProgress(Progress):

@@ -28,7 +28,7 @@ from batchfit.workflows.sharded_estimate import estimate_config
 from batchfit.workflows.sharded_estimate import estimate_own_rank
 from batchfit.workflows.sharded_plan import ShardedPlan
 from batchfit.workflows.sharded_plan import plan_sharded
-from batchfit.workflows.verification import PlanVerification
+from batchfit.workflows.verdict import PlanVerification
 from batchfit.workflows.verification import verification_device
 from batchfit.workflows.workload_plan import WorkloadPlan
 from batchfit.workflows.workload_plan import measure_micro_batch

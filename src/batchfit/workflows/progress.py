@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from batchfit.workflows.verification import PlanVerification
+from batchfit.workflows.verdict import PlanVerification
 
 
 class Progress:

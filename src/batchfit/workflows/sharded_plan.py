@@ -26,8 +26,8 @@ from batchfit.workflows.ranks import NOT_TRACED
 from batchfit.workflows.ranks import capacity_of
 from batchfit.workflows.ranks import describe_parallelism
 from batchfit.workflows.ranks import host_line
+from batchfit.workflows.verdict import PlanVerification
 from batchfit.workflows.verification import Found
-from batchfit.workflows.verification import PlanVerification
 from batchfit.workflows.verification import verify_accumulating
 from batchfit.workflows.verification import verify_plan
 from batchfit.workflows.workload_plan import Planner

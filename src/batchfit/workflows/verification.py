@@ -10,41 +10,23 @@ micro-batches of the window.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from dataclasses import field
 from typing import Any
 
+from batchfit.devices.resolve import resolve_device
+from batchfit.devices.simulated import SimulatedDevice
 from batchfit.devices.units import format_bytes
 from batchfit.parallel.fit import LargestBatch
 from batchfit.parallel.settings import Parallelism
 from batchfit.workflows.progress import SILENT
 from batchfit.workflows.progress import Progress
+from batchfit.workflows.verdict import PlanVerification
 
 Found = list[tuple[Parallelism, LargestBatch]]  # each checkpointing choice and its largest micro-batch per rank
-
-
-@dataclass
-class PlanVerification:
-    """What one rank's real trials found on ``device``: ``rows`` (JSON-ready, one per size tried, with the
-    fake and the real peak), ``notes`` (a sentence per traced answer replaced) and ``accumulating`` (the rows
-    of later micro-batches, the window's gradients held)."""
-
-    device: str
-    rows: list[dict[str, Any]]
-    notes: list[str] = field(default_factory=list)
-    accumulating: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON's ``verification``: the device, the mode and every row."""
-        return {"device": self.device, "mode": "one rank, real trials", "rows": self.rows + self.accumulating}
 
 
 def verification_device(device: str, capacity_bytes: int) -> Any:
     """Where the real trials run: ``device`` as given, or with ``auto`` a simulated device of the plan's
     capacity per rank (refused in one line if this host cannot hold it)."""
-    from batchfit.devices.resolve import resolve_device
-    from batchfit.devices.simulated import SimulatedDevice
-
     if device == "auto":
         return SimulatedDevice(capacity_bytes).for_workload(None)
     return resolve_device(device, None)
