@@ -27,7 +27,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/batchfit find gpt-tiny --plot batchfit-demo.png --json batchfit-demo.json
 
-# Lint, format and the import contract (tests/test_layout.py) run with the suite: everything CI runs.
+# Lint, format and the import contract (tests/project/test_layout.py) run with the suite: everything CI runs.
 # Two pytest-xdist workers, one per core (the tests' models are tiny: one torch thread each).
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples docs/hooks .ci

@@ -40,7 +40,7 @@ from batchfit.search.runner import probe_workload
 from batchfit.search.runner import trace_estimate
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 from hf_models import Size  # noqa: E402
 from hf_models import bert  # noqa: E402
 from hf_models import gpt2  # noqa: E402

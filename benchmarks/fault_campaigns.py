@@ -1,6 +1,6 @@
 """Fault campaigns beyond the core: an OOM inside FSDP2, the result cache against edits, Ctrl-C at seeded sites.
 
-- **fsdp2** (``tests/fault_campaigns.py``): one rank of 2 and of 4 (FSDP2 over torch's fake process group), an
+- **fsdp2** (``tests/support/fault_campaigns.py``): one rank of 2 and of 4 (FSDP2 over torch's fake process group), an
   out-of-memory error raised at a seeded op of a trial's step; holds when the next trial is a fresh prober's.
 
 - **cache**: per seed, a search cached, then one edit of what decides memory (a
@@ -33,7 +33,7 @@ import batchfit as bf
 from batchfit.search.files import atomic_write_text
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 from fault_campaigns import SITES  # noqa: E402
 from fault_campaigns import Tally  # noqa: E402
 from fault_campaigns import cache_campaign  # noqa: E402
@@ -81,8 +81,8 @@ def main() -> int:
         "",
         f"batchfit {bf.__version__}, torch {torch.__version__}, Python {platform.python_version()}, "
         f"{platform.machine()}, CPU only. `python benchmarks/fault_campaigns.py` "
-        "(part of `make reliability`); the cases are `tests/fault_campaigns.py`, a few of each run in "
-        "`make test` (`tests/test_fault_campaigns.py`).",
+        "(part of `make reliability`); the cases are `tests/support/fault_campaigns.py`, a few of each run in "
+        "`make test` (`tests/project/test_fault_campaigns.py`).",
         "",
         "| campaign | cases | tried | held | broke | seconds |",
         "|---|---|---:|---:|---:|---:|",
@@ -111,7 +111,7 @@ def main() -> int:
         "the reduce-scatters, AdamW); it holds when that trial fails as out of memory and the next trial on the same "
         "prober is a fresh prober's (fits, same peak) with nothing left counted. Under `torchrun` (gloo) a rank's "
         "sharded step runs on to its end before its OOM is raised (its peers wait in its collectives): "
-        "`tests/test_fsdp_find.py` (slow) checks both ranks agree there.",
+        "`tests/parallel/test_fsdp_find.py` (slow) checks both ranks agree there.",
         "",
         "A cache case holds when an edited workload is measured again (never served) and answers what an uncached "
         "search answers, and an unedited one is served. An interrupt case holds when a real SIGINT at the seeded "

@@ -37,7 +37,7 @@ from batchfit.devices.trace import TraceDevice
 from batchfit.search.files import atomic_write_text
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 from hf_models import Size  # noqa: E402
 
 TARGET = "h200-141gb"

@@ -94,7 +94,7 @@ after `pip install --no-compile`).
 What made the difference: one exception class, `GuardOnDataDependentSymNode`, imported at module level from
 `torch.fx.experimental.symbolic_shapes`, loaded sympy (about 470 modules) with `import batchfit`. The trace now
 reads that class from `sys.modules` when it sorts an error: it can only have been raised once torch loaded the
-module. `tests/test_layout.py` keeps sympy, rich, typer and the optional extras out of `import batchfit`.
+module. `tests/project/test_layout.py` keeps sympy, rich, typer and the optional extras out of `import batchfit`.
 """
     atomic_write_text(HERE / "IMPORT.md", text)
     print(text)

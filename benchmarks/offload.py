@@ -2,7 +2,7 @@
 
 Two parts, written to ``benchmarks/OFFLOAD.md``:
 
-1. *The fake accelerator traces what the CPU mesh does.* ``tests/offload_fidelity.py`` traces four
+1. *The fake accelerator traces what the CPU mesh does.* ``tests/launch/offload_fidelity.py`` traces four
    small cases once on the CPU mesh and once on the fake accelerator that CPU offload runs on
    (without offload), each side in a process of its own; every figure is compared.
 2. *Llama-3-8B at 8 ranks*, bf16 compute and fp32 reduce, sequence 4096 on an H100 80GB preset,
@@ -39,11 +39,11 @@ GIB = 2**30
 
 
 def fidelity() -> list[dict]:
-    """Both sides of tests/offload_fidelity.py, case by case."""
+    """Both sides of tests/launch/offload_fidelity.py, case by case."""
     sides = {}
     for side in ("cpu", "accelerator"):
         run = subprocess.run(
-            [sys.executable, str(ROOT / "tests" / "offload_fidelity.py"), side],
+            [sys.executable, str(ROOT / "tests" / "launch" / "offload_fidelity.py"), side],
             capture_output=True,
             text=True,
             check=True,
@@ -135,7 +135,7 @@ def report(rows: list[dict], runs: dict[bool, dict], seconds: float) -> str:
             "## The fake accelerator traces what the CPU mesh does",
             "",
             "Micro-batch 2 x 32 tokens, without offload, each side in a process of its own "
-            "(`tests/offload_fidelity.py`). AdamW keeps each parameter's `step` counter on the host when the parameter "
+            "(`tests/launch/offload_fidelity.py`). AdamW keeps each parameter's `step` counter on the host when the parameter "
             "is on an accelerator, as on a GPU; on the CPU mesh it counts as device memory, so it is added back before "
             "comparing.",
             "",

@@ -58,7 +58,7 @@ from batchfit.step.batching import tensor_leaves
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 from bench_workloads import CASES  # noqa: E402
 from bench_workloads import EDGES_PATH  # noqa: E402
 from bench_workloads import Case  # noqa: E402

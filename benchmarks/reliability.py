@@ -1,12 +1,12 @@
 """The reliability campaign: fault injection, bad inputs and endurance, in one run.
 
-- Fault injection (``tests/reliability_campaign.py``): 510 seeded injections over 5 workloads x 6
+- Fault injection (``tests/support/reliability_campaign.py``): 510 seeded injections over 5 workloads x 6
   methods: an OOM (``torch.OutOfMemoryError`` or a CUDA OOM message), a ``RuntimeError``, a
   ``ValueError``, the user's own exception type or a ``KeyboardInterrupt`` raised at a chosen
   operator of a real trial (building the batch, forward, backward, optimizer step). Counted:
   state differences, leaked bytes, wrong edges in the next search, errors not propagated unchanged.
-- Bad inputs (``tests/bad_inputs.py``): every entry of the table, library and CLI.
-- Endurance (``tests/endurance.py``): 1000 consecutive searches in this process.
+- Bad inputs (``tests/support/bad_inputs.py``): every entry of the table, library and CLI.
+- Endurance (``tests/support/endurance.py``): 1000 consecutive searches in this process.
 
 Writes ``benchmarks/RELIABILITY.md`` and ``benchmarks/reliability.json``; exits with 1 when a
 target is missed (any state difference, leak, wrong edge, misbehaving bad input, memory growth).
@@ -33,7 +33,7 @@ import batchfit as bf
 from batchfit.search.files import atomic_write_text
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 from bad_inputs import TABLE  # noqa: E402
 from bad_inputs import Checked  # noqa: E402
 from bad_inputs import check  # noqa: E402
@@ -143,7 +143,7 @@ def bad_input_section(checked: list[Checked]) -> list[str]:
     lines = [
         "## Bad inputs",
         "",
-        f"{len(checked)} malformed inputs from `tests/bad_inputs.py` ({sum(c.case.surface == 'library' for c in checked)} "
+        f"{len(checked)} malformed inputs from `tests/support/bad_inputs.py` ({sum(c.case.surface == 'library' for c in checked)} "
         f"to the library, {sum(c.case.surface == 'CLI' for c in checked)} to the CLI through typer's `CliRunner`): "
         f"**{len(ok)} of {len(working)} behave**; {len(checked) - len(working)} are known issues, listed at the end. "
         "Library: a `ValueError` or `TypeError` whose one-line message names the fix. CLI: exit code 2, no traceback, "
@@ -265,7 +265,7 @@ def main() -> None:
         f"batchfit {bf.__version__}, torch {torch.__version__}, Python {platform.python_version()}, "
         f"{platform.machine()} ({torch.get_num_threads()} torch thread of the machine's cores), on `SimulatedDevice` "
         f"(real CPU compute, every live tensor byte counted). {seconds / 60:.1f} minutes in all. `make test` runs a "
-        "reduced form (`tests/test_reliability.py`). "
+        "reduced form (`tests/project/test_reliability.py`). "
         "To keep the full collections that batchfit runs after a failed trial cheap, the fault campaign freezes the "
         "objects alive before it starts (`gc.freeze`); objects made later are collected as usual.",
         "",

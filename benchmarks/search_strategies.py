@@ -27,7 +27,7 @@ from batchfit.step.builtin_workloads import gpt_tiny
 from batchfit.step.builtin_workloads import mlp
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 from models import cnn_bn  # noqa: E402
 from models import dict_model  # noqa: E402
 from models import mlp_tuple  # noqa: E402

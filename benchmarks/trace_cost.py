@@ -44,7 +44,7 @@ from batchfit.step.builtin_workloads import next_token_loss
 
 OTHER_SECTIONS = "## torch.nn layers on the trace"  # written by nn_layers_trace.py
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 from hf_models import Size  # noqa: E402
 from hf_models import bert  # noqa: E402
 from hf_models import gpt2  # noqa: E402

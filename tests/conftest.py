@@ -1,4 +1,4 @@
-"""Shared fixtures: the linear-scan ground truth, memory freed between tests, one torch thread
+"""Shared fixtures: the tiny model cases (tests/support/models.py), memory freed between tests, one torch thread
 and a frozen import-time heap (both only make the suite faster)."""
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import pytest
 import torch
 from hypothesis import settings
 
-import batchfit as bf
-from batchfit.search.prober import Prober
-
-sys.path.insert(0, str(Path(__file__).parent))
+# Helpers the tests import by name (models, cli_runner, ddp_launch, ...): tests/support/. Scripts the tests start as
+# processes live in tests/launch/ and put tests/support/ on their own path.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from models import CASES
 from models import Case
@@ -32,8 +31,6 @@ if "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-_TRUE_EDGES: dict[str, int] = {}
-
 
 def _collect_and_freeze() -> None:
     """Collect, then move every object still alive (torch's and the test modules' ~300k, modules
@@ -46,18 +43,6 @@ def _collect_and_freeze() -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     _collect_and_freeze()
-
-
-def linear_scan_edge(case: Case) -> int:
-    """The true largest fitting batch size: probe 1, 2, 3, ... until the first failure."""
-    if case.name not in _TRUE_EDGES:
-        device = bf.SimulatedDevice(case.capacity)
-        with Prober(case.build(), device, limit_bytes=device.capacity_bytes()) as prober:
-            size = 1
-            while prober.probe(size).fits:
-                size += 1
-        _TRUE_EDGES[case.name] = size - 1
-    return _TRUE_EDGES[case.name]
 
 
 @pytest.fixture(params=CASES, ids=lambda case: case.name)
