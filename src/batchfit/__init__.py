@@ -55,6 +55,8 @@ from batchfit.step.workload import Workload
 from batchfit.sweep.api import sweep_grid
 from batchfit.sweep.results import SweepResult
 from batchfit.sweep.rules import ScaleRules
+from batchfit.tokens.budget import find_token_budget
+from batchfit.tokens.result import TokenBudget
 
 __all__ = [
     "ACCELERATORS",
@@ -85,6 +87,7 @@ __all__ = [
     "StateSnapshot",
     "SweepResult",
     "ThroughputResult",
+    "TokenBudget",
     "TraceDevice",
     "TraceError",
     "Trial",
@@ -96,6 +99,7 @@ __all__ = [
     "executable_batch_size",
     "find_max_batch_size",
     "find_optimal_batch_size",
+    "find_token_budget",
     "format_bytes",
     "goodput",
     "is_oom",

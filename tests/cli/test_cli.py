@@ -60,7 +60,7 @@ def png_size(path) -> tuple[int, int]:
 
 
 def test_help_shows_an_example_for_every_command():
-    for args in ([], ["find"], ["estimate"], ["optimal"], ["plan"], ["list-workloads"]):
+    for args in ([], ["find"], ["estimate"], ["optimal"], ["plan"], ["tokens"], ["list-workloads"]):
         result = invoke(*args, "--help")
         assert result.exit_code == 0
         assert "Example: batchfit" in result.output
@@ -70,16 +70,16 @@ def test_list_workloads_names_the_built_ins():
     result = invoke("list-workloads")
     assert result.exit_code == 0
     lines = result.output.strip().splitlines()
-    assert [line.split()[0] for line in lines[:3]] == ["gpt-tiny", "cnn-small", "mlp"]
-    assert lines[3].startswith("LLMs built from their published configs")
-    assert [line.split()[0] for line in lines[4:]] == [
+    assert [line.split()[0] for line in lines[:4]] == ["gpt-tiny", "lm-tiny", "cnn-small", "mlp"]
+    assert lines[4].startswith("LLMs built from their published configs")
+    assert [line.split()[0] for line in lines[5:]] == [
         "llama-3-8b",
         "llama-3-70b",
         "mistral-7b",
         "qwen2.5-7b",
         "gpt2-xl",
     ]
-    assert "llama: 32 layers, width 4096, vocabulary 128256" in lines[4]
+    assert "llama: 32 layers, width 4096, vocabulary 128256" in lines[5]
 
 
 def test_find_on_a_user_file_prints_live_lines_a_table_and_the_answer(tiny, tmp_path):
@@ -166,7 +166,7 @@ def test_auto_device_says_plainly_that_it_simulates():
     [
         (["no_such_module_here:make"], "no module named 'no_such_module_here'"),
         (["missing_file.py:make"], "workload file missing_file.py does not exist"),
-        (["resnet9000"], "unknown workload 'resnet9000': use one of gpt-tiny, cnn-small, mlp"),
+        (["resnet9000"], "unknown workload 'resnet9000': use one of gpt-tiny, lm-tiny, cnn-small, mlp"),
         (["mlp", "--device", "tpu"], "unknown device 'tpu'"),
         (["mlp", "--device", "sim:lots"], "capacity 'lots' is not a size"),
         (["mlp", "--min-batch-size", "0"], "min_batch_size must be an integer of at least 1, got 0"),

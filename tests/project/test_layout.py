@@ -15,7 +15,7 @@ import batchfit as bf
 
 PACKAGE = Path(bf.__file__).parent
 SHARED = {"errors", "_version"}
-# What each layer may import, lowest first: step < devices < search < {runtime, sweep, parallel} < workflows
+# What each layer may import, lowest first: step < devices < search < {runtime, sweep, parallel, tokens} < workflows
 # < {integrations, cli}, with planning (maths) beside them. A layer always may import itself and the shared leaves above.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
@@ -27,10 +27,22 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"step", "devices", "search", "planning"},
     "sweep": {"step", "devices", "search", "runtime", "planning"},
     "parallel": {"step", "devices", "search", "planning"},
-    "workflows": {"step", "devices", "search", "runtime", "planning", "sweep", "parallel"},
+    "tokens": {"step", "devices", "search"},
+    "workflows": {"step", "devices", "search", "runtime", "planning", "sweep", "parallel", "tokens"},
     "integrations": {"step", "devices", "search", "runtime", "planning", "sweep", "workflows"},
-    "cli": {"step", "devices", "search", "runtime", "planning", "sweep", "parallel", "workflows", "integrations"},
-    "__init__": {"step", "devices", "search", "runtime", "planning", "sweep", "parallel"},
+    "cli": {
+        "step",
+        "devices",
+        "search",
+        "runtime",
+        "planning",
+        "sweep",
+        "parallel",
+        "tokens",
+        "workflows",
+        "integrations",
+    },
+    "__init__": {"step", "devices", "search", "runtime", "planning", "sweep", "parallel", "tokens"},
 }
 HEAVY = [
     "sympy",
@@ -72,6 +84,7 @@ PUBLIC = [
     "StateSnapshot",
     "SweepResult",
     "ThroughputResult",
+    "TokenBudget",
     "TraceDevice",
     "TraceError",
     "Trial",
@@ -83,6 +96,7 @@ PUBLIC = [
     "executable_batch_size",
     "find_max_batch_size",
     "find_optimal_batch_size",
+    "find_token_budget",
     "format_bytes",
     "goodput",
     "is_oom",
@@ -282,9 +296,11 @@ def test_the_contract_catches_a_core_module_importing_the_cli(tmp_path):
     ]
 
 
-def test_the_top_of_the_package_holds_at_most_fourteen_entries():
-    entries = [p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"]
-    assert len(entries) <= 14, sorted(entries)  # one folder a layer, the shared leaves, py.typed
+def test_the_top_of_the_package_holds_a_folder_per_layer_and_the_shared_leaves():
+    entries = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    layers = {name for name in ALLOWED if name not in SHARED and name != "__init__"}
+    leaves = {f"{name}.py" for name in SHARED} | {"__init__.py", "py.typed"}
+    assert entries == layers | leaves, sorted(entries)
 
 
 def test_every_package_says_what_it_holds_and_may_import():

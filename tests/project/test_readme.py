@@ -160,8 +160,15 @@ x, y = mx.random.normal((8, 32)), mx.random.randint(0, 10, (8,))
 loss = lambda out, y: nn.losses.cross_entropy(out, y, reduction="mean")
 """
 
+TOKENS_SETUP = """
+from batchfit.step.builtin_workloads import lm_tiny
+_work = lm_tiny(seq_len=64)
+model, sample_batch, optimizer = _work.model, _work.sample_batch, _work.optimizer
+"""
+
 # The heading a snippet sits under, and what its section assumes beyond USER_SETUP.
 SECTION_SETUP = {
+    "Token budgets in Python": TOKENS_SETUP,
     "Lightning": LIGHTNING_SETUP,
     "Hugging Face Transformers": TRANSFORMERS_SETUP,
     "MLX (Apple silicon, and Linux CPU)": MLX_SETUP,

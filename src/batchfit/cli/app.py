@@ -705,6 +705,7 @@ def preset_line(name: str) -> str:
 
 from batchfit.cli import critical  # noqa: E402, F401  (registers critical)
 from batchfit.cli import sweep  # noqa: E402, F401  (registers sweep and cache)
+from batchfit.cli import tokens as tokens_command  # noqa: E402, F401  (registers tokens)
 
 
 def main() -> None:

@@ -166,7 +166,7 @@ class Parallelism:
         """``workload`` (a ``batchfit.Workload``) as this rank of this world: its model copied onto
         ``meta`` and sharded, for real trials of one rank over torch's fake process group
         (``find_max_batch_size(..., parallelism=...)``; see ``batchfit.parallel.copied``)."""
-        # Imported here, the layer's one late import (tests/test_layout.py, LATE_IMPORTS): a ShardedCopy traces
+        # Imported here, the layer's one late import (tests/project/test_layout.py, LATE_IMPORTS): a ShardedCopy traces
         # in a RankSession, which takes and defaults a Parallelism, so copied.py sits above this module.
         from batchfit.parallel.copied import ShardedCopy
 

@@ -32,6 +32,8 @@ from batchfit.search.settings import SearchSettings
 from batchfit.search.settings import margin_bytes
 from batchfit.search.strategies import Strategy
 from batchfit.step.batching import batch_length
+from batchfit.step.batching import cut_sequences
+from batchfit.step.batching import sequence_widths
 from batchfit.step.batching import slice_batch
 from batchfit.step.batching import tensor_leaves
 from batchfit.step.compiled import runnable
@@ -171,9 +173,12 @@ class Microbatcher:
     again per parameter (``foreach=False``); if that fails too, it is undone again and the error
     propagates with nothing half-applied. Without the guard, a clear error says so.
     After ``grow_after`` clean steps it tries twice the size again, never above one that failed.
-    With ``max_tokens``, micro-batches are contiguous runs of samples holding at most that many
-    tokens (``tokens_per_sample``, by default from ``attention_mask`` or the sequence length), and
-    it is the token budget that halves on OOM. ``weight`` must match how the loss is reduced:
+    With ``max_tokens``, micro-batches are contiguous runs of samples that hold at most that many
+    tokens as the device holds them: rows times the widest row, each row up to its last attended
+    position (``attention_mask``; the whole sequence without one; ``tokens_per_sample`` where given),
+    the padding after it cut off. So a budget measured by ``batchfit tokens`` is never exceeded, and a
+    sample longer than the budget is an error before any step runs. It is the token budget that
+    halves on OOM. ``weight`` must match how the loss is reduced:
     ``"samples"`` for a mean over samples, ``"tokens"`` for a mean over tokens (Hugging Face
     causal-LM losses); only then is the accumulated gradient the full batch's. ``noise`` (a
     ``NoiseScaleEstimator``) measures the gradient noise scale on the way: micro-batches are the
@@ -250,6 +255,7 @@ class Microbatcher:
         self.device = resolve_device(device, model)
         self.scheduler, self.scaler = scheduler, scaler
         self.tokens_per_sample = tokens_per_sample or default_tokens_per_sample
+        self._own_tokens = tokens_per_sample is not None
         token_weight = lambda piece: int(self.tokens_per_sample(piece).sum())  # noqa: E731
         self.sample_weight = sample_weight or (token_weight if weight == "tokens" else batch_length)
         self.noise = noise  # the gradient noise scale, measured passively from the micro-batches
@@ -399,7 +405,8 @@ class Microbatcher:
         """Backward over the micro-batches ``slices``: the mean loss, or ``None`` after an OOM (cleaned
         up), and how many micro-batches completed. DDP synchronises on the last micro-batch only, or
         never with ``local_only``."""
-        pieces = [slice_batch(batch, start, stop) for start, stop in slices]
+        widths = self._widths(batch) if self._by_tokens and not self._own_tokens else None
+        pieces = [self._piece(batch, start, stop, widths) for start, stop in slices]
         self._watcher = GradientWatcher(self.model, self.scaler) if self.noise is not None else None
         completed = 0
 
@@ -430,11 +437,21 @@ class Microbatcher:
         self._clean_up(why)  # after the except block, so the failed micro-batch's tensors are free
         return None, completed
 
+    def _widths(self, batch: Any) -> list[int]:
+        """Each row's positions in a micro-batch: ``tokens_per_sample`` where given, else up to its last attended
+        position (``sequence_widths``); a micro-batch holds its rows at the widest of them."""
+        if self._own_tokens:
+            return [int(count) for count in self.tokens_per_sample(batch)]
+        widths = sequence_widths(batch)
+        if widths is None:
+            raise InputError("max_tokens needs sequences: give tokens_per_sample(batch) -> tokens of each sample")
+        return [int(width) for width in widths]
+
     def _check_token_budget(self, batch: Any, size: int, agreeing: bool) -> None:
         """A sample longer than the budget cannot be split: every rank learns it before any raises."""
         if not self._by_tokens:
             return
-        longest = int(self.tokens_per_sample(batch).max())
+        longest = max(self._widths(batch))
         too_long = longest > size
         if agreeing:
             too_long = distributed.any_rank(too_long)
@@ -448,19 +465,25 @@ class Microbatcher:
         total = batch_length(batch)
         if not self._by_tokens:
             return [(start, min(start + size, total)) for start in range(0, total, size)]
-        tokens = [int(count) for count in self.tokens_per_sample(batch)]
-        if max(tokens) > size:
+        widths = self._widths(batch)
+        if max(widths) > size:
             raise RuntimeError(
-                f"a single sample holds {max(tokens)} tokens, more than the budget of {size}: raise max_tokens or free memory"
+                f"a single sample holds {max(widths)} tokens, more than the budget of {size}: raise max_tokens or free memory"
             )
-        slices, start, held = [], 0, 0
-        for row, count in enumerate(tokens):
-            if held + count > size:
+        slices, start, widest = [], 0, 0
+        for row, width in enumerate(widths):
+            if (row - start + 1) * max(widest, width) > size:  # rows x the widest: what the padded micro-batch holds
                 slices.append((start, row))
-                start, held = row, 0
-            held += count
+                start, widest = row, 0
+            widest = max(widest, width)
         slices.append((start, total))
         return slices
+
+    def _piece(self, batch: Any, start: int, stop: int, widths: list[int] | None) -> Any:
+        """Rows ``start:stop``; by tokens, cut to the widest of them (the padding after every row's last
+        attended position is dropped: nothing attends it, and the budget counts it)."""
+        piece = slice_batch(batch, start, stop)
+        return piece if widths is None else cut_sequences(piece, max(widths[start:stop]))
 
     def _optimizer_step(self) -> None:
         """``optimizer.step()``; with ``guard_optimizer_step``, undone on any error that leaves it, and
@@ -549,7 +572,7 @@ class Microbatcher:
         holds the longest sample (the longest on any rank, so that all ranks stop together)."""
         if not self._by_tokens:
             return self.settings.search.min_batch_size
-        longest = int(self.tokens_per_sample(batch).max())
+        longest = max(self._widths(batch))
         return -distributed.agree_min(-longest) if agreeing else longest
 
     def _shrink(self, size: int, floor: int) -> int:

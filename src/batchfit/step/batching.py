@@ -197,6 +197,37 @@ def pad_sequences(batch: Any, length: int, *, value: int | float = 0) -> Any:
     return map_tensors(lambda tensor: pad(tensor, value), batch)
 
 
+def sequence_widths(batch: Any) -> torch.Tensor | None:
+    """Per row, the positions a padded batch must keep for it: up to its last attended position (a right-padded
+    row's length) where a mapping batch has a 2-D ``attention_mask``, else the whole sequence dimension (dim 1
+    of the first tensor with one); ``None`` without sequences.
+
+    >>> sequence_widths({"input_ids": torch.zeros(2, 5), "attention_mask": torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]])})
+    tensor([2, 4])
+    """
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+        return ((mask != 0) * positions).amax(dim=1)
+    sequence = next((leaf for leaf in tensor_leaves(batch) if leaf.dim() >= 2), None)
+    return None if sequence is None else torch.full((sequence.shape[0],), sequence.shape[1])
+
+
+def cut_sequences(batch: Any, width: int) -> Any:
+    """``batch`` with its sequence dimension cut to its first ``width`` positions: every tensor whose dim 1 is
+    the batch's sequence length (dim 1 of the first tensor with one) is cut there; the others are kept.
+
+    >>> cut_sequences({"input_ids": torch.arange(8).view(2, 4), "label": torch.tensor([0, 1])}, 2)["input_ids"]
+    tensor([[0, 1],
+            [4, 5]])
+    """
+    sequence = next((leaf for leaf in tensor_leaves(batch) if leaf.dim() >= 2), None)
+    if sequence is None or width >= sequence.shape[1]:
+        return batch
+    longest = sequence.shape[1]
+    return map_tensors(lambda t: t[:, :width].contiguous() if t.dim() >= 2 and t.shape[1] == longest else t, batch)
+
+
 def is_oversized_view(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a view whose storage holds more than the view itself (``X[:8]`` of a
     large ``X``): counting or keeping its storage would count or keep the whole ``X``.

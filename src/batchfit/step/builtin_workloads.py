@@ -125,6 +125,51 @@ class TinyGPT(nn.Module):
         return tokens
 
 
+class TinyLM(nn.Module):
+    """A small decoder-only language model called as Hugging Face's are: ``model(input_ids=..., labels=...,
+    position_ids=...)`` returns ``{"loss", "logits"}``. A packed row (one row, ``position_ids`` starting again
+    at 0 where each sequence starts, as ``DataCollatorWithFlattening`` makes it) is attended one sequence at a
+    time, as a varlen attention kernel does: no score matrix spans two sequences."""
+
+    def __init__(self, vocab: int = 512, dim: int = 128, heads: int = 4, layers: int = 2, max_len: int = 512):
+        super().__init__()
+        self.gpt = TinyGPT(vocab, dim, heads, layers, max_len)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """``attention_mask`` is taken and not needed: attention is causal, so a right-padded row's tokens never
+        attend its padding; label the padding -100 to leave it out of the loss."""
+        gpt = self.gpt
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        x = gpt.tokens(input_ids) + gpt.positions(position_ids)
+        for block in gpt.blocks:
+            x = torch.cat([block(piece) for piece in _sequences(x, position_ids)], dim=1)
+        logits = gpt.head(gpt.norm(x))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        return out
+
+
+def _sequences(x: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
+    """The packed sequences of a one-row batch (split where ``position_ids`` is 0); a padded batch whole."""
+    if x.shape[0] != 1:
+        return [x]
+    starts = (position_ids[0] == 0).nonzero().flatten().tolist()
+    bounds = [*(start for start in starts if start > 0), x.shape[1]]
+    pieces, begin = [], 0
+    for end in bounds:
+        pieces.append(x[:, begin:end])
+        begin = end
+    return pieces
+
+
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -160,6 +205,16 @@ def gpt_tiny(
     )
 
 
+def lm_tiny(seq_len: int = 64, amp_dtype: str | None = None, sample_size: int = 4, layers: int = 2) -> Workload:
+    """A 2-layer decoder-only LM with AdamW on Hugging Face style batches {input_ids, labels}; packs sequences."""
+    _check_sizes(seq_len=seq_len, sample_size=sample_size, layers=layers)
+    torch.manual_seed(0)
+    model = TinyLM(layers=layers, max_len=seq_len)
+    ids = torch.randint(0, 512, (sample_size, seq_len))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    return Workload(model, {"input_ids": ids, "labels": ids.clone()}, None, optimizer, amp_dtype, name="lm-tiny")
+
+
 def cnn_small(image_size: int = 32, amp_dtype: str | None = None, sample_size: int = 4) -> Workload:
     """A residual CNN with BatchNorm and SGD with momentum on ``(images, labels)``."""
     _check_sizes(image_size=image_size, sample_size=sample_size)
@@ -180,4 +235,9 @@ def mlp(features: int = 128, amp_dtype: str | None = None, sample_size: int = 4)
     return Workload(model, batch, None, optimizer, amp_dtype, name="mlp")
 
 
-BUILTIN_WORKLOADS: dict[str, Callable[..., Workload]] = {"gpt-tiny": gpt_tiny, "cnn-small": cnn_small, "mlp": mlp}
+BUILTIN_WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "gpt-tiny": gpt_tiny,
+    "lm-tiny": lm_tiny,
+    "cnn-small": cnn_small,
+    "mlp": mlp,
+}

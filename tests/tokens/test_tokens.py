@@ -1,0 +1,265 @@
+"""Token budgets: every bucket's answer tried with one more failing, the fit's guesses, packed budgets,
+forward budgets, the loop a user writes over a variable-length loader, and the command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import batchfit as bf
+from batchfit.cli import app
+from batchfit.search.trial import Trial
+from batchfit.step.builtin_workloads import gpt_tiny
+from batchfit.step.builtin_workloads import lm_tiny
+from batchfit.tokens import TokenMemoryFit
+from batchfit.tokens import bucket_lengths
+from batchfit.tokens import token_budget_of_workload
+from batchfit.tokens.budget import search_order
+from batchfit.tokens.lengths import parse_buckets
+from batchfit.tokens.memory_fit import LengthLine
+from batchfit.tokens.samples import PackedRows
+from batchfit.tokens.samples import at_length
+from batchfit.tokens.samples import packed_rows
+
+DEVICE = "sim:40MiB"
+LENGTHS = [16, 32, 64, 128]
+
+
+def tried(search) -> list[tuple[int, bool]]:
+    return [(trial.batch_size, trial.fits) for trial in search.trials]
+
+
+def confirmed(search) -> None:
+    """The answer fitted in a trial and one more failed in a trial, both at this length."""
+    outcomes = dict(tried(search))
+    assert outcomes[search.batch_size] is True
+    assert outcomes[search.batch_size + 1] is False
+
+
+@pytest.fixture(scope="module")
+def budget():
+    return token_budget_of_workload(lm_tiny(seq_len=128), LENGTHS, device=DEVICE, forward=True)
+
+
+def test_buckets_are_given_or_made_by_halving_and_bad_ones_are_refused_in_one_line():
+    assert bucket_lengths(max_seq_len=1000, count=3) == [250, 500, 1000]
+    assert bucket_lengths([64, 16, 32]) == [16, 32, 64]
+    for bad in ({"buckets": [16, 16]}, {"buckets": [0, 16]}, {"buckets": []}, {}, {"buckets": [8], "max_seq_len": 8}):
+        with pytest.raises(bf.InputError) as error:
+            bucket_lengths(**bad)
+        assert "\n" not in str(error.value)
+    with pytest.raises(bf.InputError, match="separated by commas"):
+        parse_buckets("16,abc")
+
+
+def test_samples_are_cut_or_padded_to_a_length_and_packed_as_rows_of_tokens():
+    sample = {"input_ids": torch.arange(12).view(2, 6), "attention_mask": torch.ones(2, 6), "label": torch.ones(2)}
+    assert at_length(sample, 4)["input_ids"].tolist() == [[0, 1, 2, 3], [6, 7, 8, 9]]
+    padded = at_length(sample, 8)
+    assert padded["input_ids"].shape == (2, 8) and padded["attention_mask"].sum().item() == 15  # one padded position
+    assert padded["label"].shape == (2,)
+    rows = packed_rows(sample, 4)
+    assert sorted(rows) == ["input_ids", "position_ids"]  # no mask: position_ids bound the sequences
+    assert rows["input_ids"].tolist() == [0, 1, 2, 3] and rows["position_ids"].tolist() == [0, 1, 2, 3]
+    model = PackedRows(torch.nn.Embedding(12, 3))
+    assert model(input=rows["input_ids"]).shape == (1, 4, 3)
+    assert list(model.parameters()) == list(model.model.parameters())
+
+
+def test_the_fit_recovers_per_token_and_per_squared_bytes_and_never_a_negative_square():
+    lines = [LengthLine(length, 1000.0, 40 * length + 0.5 * length**2) for length in (16, 64, 256)]
+    fit = TokenMemoryFit.of(lines)
+    assert fit.bytes_per_token == pytest.approx(40) and fit.bytes_per_squared_token == pytest.approx(0.5)
+    assert fit.largest_batch_size(128, 1000 + 5 * (40 * 128 + 0.5 * 128**2)) == 5
+    concave = TokenMemoryFit.of([LengthLine(16, 0.0, 16 * 50.0), LengthLine(64, 0.0, 64 * 40.0)])
+    assert concave.bytes_per_squared_token == 0.0 and concave.bytes_per_token > 0
+    line = LengthLine.through(8, [Trial(1, True, 700, 0.1), Trial(3, True, 1100, 0.1), Trial(9, False, None, 0.1)])
+    assert (line.fixed_bytes, line.bytes_per_row) == (500.0, 200.0)
+
+
+def test_the_searches_run_longest_then_shortest_then_between():
+    assert search_order([16, 32, 64, 128]) == [128, 16, 64, 32]
+    assert search_order([64]) == [64] and search_order([16, 64]) == [64, 16]
+
+
+def test_every_bucket_is_tried_at_its_answer_and_one_above(budget):
+    for mode in budget.modes:
+        assert [bucket.seq_len for bucket in mode.buckets] == LENGTHS
+        for bucket in mode.buckets:
+            confirmed(bucket.search)
+            assert bucket.tokens == bucket.batch_size * bucket.seq_len
+        sizes = [bucket.batch_size for bucket in mode.buckets]
+        assert sizes == sorted(sizes, reverse=True)  # a longer sequence never fits more rows
+
+
+def test_the_fit_of_two_buckets_sends_the_others_straight_to_their_edge(budget):
+    """The longest and shortest are searched; the middle two start at the fit's guess. Where the guess is the
+    answer, the search runs exactly two trials: the guess, and one more that fails."""
+    for mode in budget.modes:
+        first, middle, last = mode.buckets[0], mode.buckets[1:3], mode.buckets[3]
+        assert first.guess is None and last.guess is None
+        for bucket in middle:
+            assert bucket.guess is not None
+            if bucket.guess == bucket.batch_size:
+                assert tried(bucket.search) == [(bucket.guess, True), (bucket.guess + 1, False)]
+            assert abs(bucket.guess - bucket.batch_size) <= max(2, bucket.batch_size // 20)
+        assert mode.trials == sum(len(bucket.search.trials) for bucket in mode.buckets) + mode.packed.trials
+    assert budget.trials == budget.training.trials + budget.forward.trials
+
+
+def test_each_answer_is_the_one_a_binary_search_of_its_own_finds(budget):
+    work = lm_tiny(seq_len=128)
+    for bucket in budget.training.buckets[1:3]:
+        at = dataclasses.replace(work, sample_batch=at_length(work.sample_batch, bucket.seq_len))
+        assert bf.search_workload(at, device=DEVICE, strategy="binary").batch_size == bucket.batch_size
+
+
+def test_the_packed_budget_is_tried_in_tokens_with_one_more_failing(budget):
+    for mode in budget.modes:
+        packed = mode.packed
+        assert sorted(packed.searches) == [16, 128] and packed.skipped is None
+        confirmed(packed.search)
+        assert packed.tokens == min(search.batch_size for search in packed.searches.values())
+        assert packed.tokens >= 128  # the longest sequence alone fits packed
+    assert budget.forward.packed.tokens > budget.training.packed.tokens
+    for train, forward in zip(budget.training.buckets, budget.forward.buckets, strict=True):
+        assert forward.batch_size > train.batch_size  # no gradients, no optimizer state, no saved activations
+
+
+def test_the_answers_hold_in_a_hand_written_loop_over_variable_lengths(budget):
+    """A loader that draws each sequence's length within its bucket and pads the batch to its longest, at the
+    bucket's answer, trains 5 steps on the same device without running out of memory; packed micro-batches of
+    the packed budget, sequences of random lengths, do too."""
+    work = lm_tiny(seq_len=128)
+    device = bf.SimulatedDevice("40MiB")
+    model, optimizer = work.model, work.optimizer
+    generator = torch.Generator().manual_seed(0)
+    edges = [0, *LENGTHS]
+    with device.measuring():
+        device.register([*model.parameters(), *model.buffers()])
+        for low, bucket in zip(edges, budget.training.buckets, strict=False):
+            for _ in range(5):
+                lengths = torch.randint(low + 1, bucket.seq_len + 1, (bucket.batch_size,), generator=generator)
+                ids = torch.randint(0, 512, (bucket.batch_size, int(lengths.max())), generator=generator)
+                outputs = model(input_ids=ids, labels=ids)
+                outputs["loss"].backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                del outputs
+        tokens = budget.training.packed.tokens
+        for _ in range(5):
+            lengths, total = [], 0
+            while total < tokens:
+                lengths.append(min(int(torch.randint(1, 129, (1,), generator=generator)), tokens - total))
+                total += lengths[-1]
+            ids = torch.randint(0, 512, (1, tokens), generator=generator)
+            positions = torch.cat([torch.arange(length) for length in lengths]).unsqueeze(0)
+            outputs = model(input_ids=ids, labels=ids, position_ids=positions)
+            outputs["loss"].backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            del outputs
+
+
+def test_a_search_leaves_the_model_and_optimizer_as_they_were():
+    work = lm_tiny(seq_len=32)
+    before = {name: value.clone() for name, value in work.model.state_dict().items()}
+    token_budget_of_workload(work, [16, 32], device=DEVICE, packed=False)
+    after = work.model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert work.optimizer.state == {} and all(p.grad is None for p in work.model.parameters())
+
+
+def test_a_sample_that_cannot_be_packed_is_skipped_with_why_or_refused_when_packing_is_asked():
+    work = gpt_tiny(seq_len=32)
+    budget = token_budget_of_workload(work, [32], device=DEVICE)
+    assert budget.training.packed.tokens is None and "mapping sample" in budget.training.packed.skipped
+    assert "verl" not in budget.lines and "fairseq" in budget.lines  # padded lines only
+    with pytest.raises(bf.InputError, match="cannot measure a packed budget"):
+        token_budget_of_workload(work, [32], device=DEVICE, packed=True)
+
+
+def test_the_library_function_takes_a_model_and_sample_as_find_max_batch_size_does():
+    work = lm_tiny(seq_len=64)
+    budget = bf.find_token_budget(
+        work.model, work.sample_batch, max_seq_len=64, optimizer=work.optimizer, device=DEVICE, packed=False
+    )
+    assert budget.lengths == [2, 4, 8, 16, 32, 64]
+    assert budget.to_dict()["training"]["buckets"][-1]["batch_size"] == budget.training.buckets[-1].batch_size
+
+
+def test_the_command_prints_each_bucket_and_the_stacks_lines_and_writes_json(tmp_path):
+    out = tmp_path / "tokens.json"
+    args = ["tokens", "lm-tiny", "--buckets", "32,64", "--device", DEVICE, "--json", str(out)]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    document = json.loads(out.read_text())
+    sizes = [bucket["batch_size"] for bucket in document["training"]["buckets"]]
+    packed = document["training"]["packed"]["tokens"]
+    assert f"ppo_max_token_len_per_gpu={packed}" in result.output
+    assert f"bucket_batch_size=[{','.join(map(str, sizes))}]" in result.output
+    trials = [
+        *(trial for b in document["training"]["buckets"] for trial in b["trials"]),
+        *document["training"]["packed"]["trials"],
+    ]
+    assert document["trials"] == len(trials)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--buckets", "32,x"], "separated by commas"),
+        (["--buckets", "32", "--max-seq-len", "64"], "or the longest length"),
+        (["--max-seq-len", "0"], "positive integer"),
+    ],
+)
+def test_bad_input_to_the_command_is_one_line_and_exit_code_2(args, message):
+    result = CliRunner().invoke(app, ["tokens", "lm-tiny", "--device", DEVICE, *args], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_model_from_its_config_is_refused_until_ranks_are_measured():
+    result = CliRunner().invoke(app, ["tokens", "llama-3-8b", "--max-seq-len", "64"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "not measured yet" in result.output
+
+
+def test_the_microbatcher_keeps_the_padded_budget_over_a_variable_length_batch(budget):
+    """The smallest padded token budget over the buckets, given to the Microbatcher, packs a global batch of
+    mixed lengths (right-padded to the longest) into micro-batches of rows x widest row within it, each cut
+    to its widest row, and trains 3 steps on the same device without an out-of-memory error."""
+    work = lm_tiny(seq_len=128)
+    tokens = min(bucket.tokens for bucket in budget.training.buckets)
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 129, (64,), generator=generator)
+    mask = (torch.arange(128)[None, :] < lengths[:, None]).long()
+    ids = torch.randint(0, 512, (64, 128), generator=generator)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    seen: list[tuple[int, int]] = []
+    work.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    batcher = bf.Microbatcher(work.model, work.optimizer, device=bf.SimulatedDevice("40MiB"), max_tokens=tokens)
+    for _ in range(3):
+        batcher.step(batch)
+    assert all(record.ooms == 0 for record in batcher.history) and batcher.current_max_tokens == tokens
+    assert all(rows * width <= tokens for rows, width in seen)
+    slices = batcher._slices(batch, tokens)
+    assert seen[: len(slices)] == [(stop - start, int(lengths[start:stop].max())) for start, stop in slices]
+    assert sum(rows for rows, _ in seen[: len(slices)]) == 64
+
+
+def test_a_token_budget_packs_rows_by_their_widest_and_refuses_a_longer_row_before_any_step():
+    lengths = [4, 16, 9, 12, 3, 16, 7, 10, 5, 14, 8, 11]
+    mask = (torch.arange(16)[None, :] < torch.tensor(lengths)[:, None]).long()
+    batch = {"input_ids": torch.randint(0, 512, (12, 16)), "attention_mask": mask}
+    work = lm_tiny(seq_len=16)
+    batcher = bf.Microbatcher(work.model, work.optimizer, max_tokens=32)
+    assert batcher._slices(batch, 32) == [(0, 2), (2, 4), (4, 6), (6, 9), (9, 11), (11, 12)]
+    with pytest.raises(RuntimeError, match=r"a single sample holds more tokens \(16 here\) than the budget of 15"):
+        bf.Microbatcher(work.model, work.optimizer, max_tokens=15).step(batch)
+    assert all(p.grad is None for p in work.model.parameters()) and work.optimizer.state == {}
