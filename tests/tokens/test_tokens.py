@@ -70,6 +70,10 @@ def test_samples_are_cut_or_padded_to_a_length_and_packed_as_rows_of_tokens():
     assert list(model.parameters()) == list(model.model.parameters())
 
 
+def phased(batch_size: int, peak: int) -> Trial:
+    return Trial(batch_size, True, peak, 0.1, phase_peak_bytes={"forward": peak // 2, "backward": peak})
+
+
 def test_the_fit_recovers_per_token_and_per_squared_bytes_and_never_a_negative_square():
     lines = [LengthLine(length, 1000.0, 40 * length + 0.5 * length**2) for length in (16, 64, 256)]
     fit = TokenMemoryFit.of(lines)
@@ -77,7 +81,7 @@ def test_the_fit_recovers_per_token_and_per_squared_bytes_and_never_a_negative_s
     assert fit.largest_batch_size(128, 1000 + 5 * (40 * 128 + 0.5 * 128**2)) == 5
     concave = TokenMemoryFit.of([LengthLine(16, 0.0, 16 * 50.0), LengthLine(64, 0.0, 64 * 40.0)])
     assert concave.bytes_per_squared_token == 0.0 and concave.bytes_per_token > 0
-    line = LengthLine.through(8, [Trial(1, True, 700, 0.1), Trial(3, True, 1100, 0.1), Trial(9, False, None, 0.1)])
+    line = LengthLine.through(8, [phased(1, 700), phased(3, 1100), Trial(9, False, None, 0.1)], 10_000)
     assert (line.fixed_bytes, line.bytes_per_row) == (500.0, 200.0)
 
 

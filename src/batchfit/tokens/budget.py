@@ -124,7 +124,7 @@ def _mode_budget(
         bucket = _search_bucket(work, seq_len, settings, device, guess)
         buckets[seq_len] = bucket
         said(f"{mode}: {bucket.batch_size} sequences of {seq_len} tokens fit ({len(bucket.search.trials)} trials)")
-        line = LengthLine.through(seq_len, bucket.search.trials)
+        line = LengthLine.through(seq_len, bucket.search.trials, limit) if limit else None
         if line is not None:
             lines = [*(known for known in lines if known.seq_len != seq_len), line]
             fit = TokenMemoryFit.of(lines)

@@ -8,9 +8,10 @@ A padded micro-batch of ``B`` sequences of ``L`` tokens peaks at about
 activations that grow with its tokens, and, where the attention kernel keeps the score matrix (eager or
 math attention), with the square of its length. Where the kernel keeps no score matrix (flash, memory-
 efficient, a varlen kernel over packed sequences), ``per_squared`` comes out zero. The fit is made from
-the trials a search already ran: at each length measured, the line through its two largest sizes that
-fitted gives ``fixed`` and the bytes per row; across lengths, bytes per row = per_token * L + per_squared
-* L**2, by least squares, ``per_squared`` held at zero where the data would make it negative.
+the trials a search already ran: at each length measured, the line of the search's own memory model
+(``MemoryModel``) that decides the edge gives ``fixed`` and the bytes per row; across lengths, bytes per
+row = per_token * L + per_squared * L**2, by least squares, ``per_squared`` held at zero where the data
+would make it negative.
 
 It predicts the largest size at a length not yet searched, the next search's first guess. The
 guess is only a guess: every answer is still found and confirmed by trials.
@@ -22,20 +23,10 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
+from batchfit.search.memory_model import MemoryModel
 from batchfit.search.trial import Trial
-
-ROWS_PHASES = ("forward", "backward")  # the phases whose peak grows with the rows; the optimizer's does not
-
-
-def rows_peak(trial: Trial) -> int | None:
-    """The peak that grows with the batch: the caching allocator's reserved peak where the device has one (what
-    decides), else the larger of the forward and backward peaks (the optimizer step's does not grow)."""
-    if not trial.fits:
-        return None
-    if trial.reserved_peak_bytes is not None:
-        return trial.reserved_peak_bytes
-    peaks = [trial.phase_peak_bytes[phase] for phase in ROWS_PHASES if phase in trial.phase_peak_bytes]
-    return max(peaks) if peaks else trial.peak_bytes
 
 
 @dataclass(frozen=True)
@@ -47,21 +38,26 @@ class LengthLine:
     bytes_per_row: float
 
     @classmethod
-    def through(cls, seq_len: int, trials: Iterable[Trial]) -> LengthLine | None:
-        """The line through the two largest sizes that fitted (``None`` with fewer than two, or no growth).
+    def through(cls, seq_len: int, trials: Iterable[Trial], limit_bytes: int) -> LengthLine | None:
+        """The line of the search's own memory model (``MemoryModel``, fitted to the trials that fitted at this
+        length) that decides its edge under ``limit_bytes``; ``None`` with fewer than two trials that fitted.
 
-        >>> line = LengthLine.through(64, [Trial(2, True, 300, 0.1), Trial(10, True, 1100, 0.1)])
+        >>> trials = [Trial(2, True, 300, 0.1, phase_peak_bytes={"backward": 300}),
+        ...           Trial(10, True, 1100, 0.1, phase_peak_bytes={"backward": 1100})]
+        >>> line = LengthLine.through(64, trials, 5000)
         >>> line.fixed_bytes, line.bytes_per_row
         (100.0, 100.0)
         """
-        points = sorted({t.batch_size: rows_peak(t) for t in trials if rows_peak(t) is not None}.items())[-2:]
-        if len(points) < 2:
+        model = MemoryModel.fit(list(trials))
+        if model is None or model.kind == "conservative":
             return None
-        (small, low), (large, high) = points
-        per_row = (high - low) / (large - small)
-        if per_row <= 0:
+        rising = np.flatnonzero(model.slope_bytes > 0)
+        if not len(rising):
             return None
-        return cls(seq_len, low - per_row * small, per_row)
+        room = (limit_bytes - model.anchor_bytes[rising]) / model.slope_bytes[rising]
+        line = rising[int(np.argmin(room))]
+        slope = float(model.slope_bytes[line])
+        return cls(seq_len, float(model.anchor_bytes[line]) - slope * model.anchor_batch_size, slope)
 
 
 @dataclass(frozen=True)
