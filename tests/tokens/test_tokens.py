@@ -227,9 +227,11 @@ def test_bad_input_to_the_command_is_one_line_and_exit_code_2(args, message):
     assert "Traceback" not in result.output
 
 
-def test_a_model_from_its_config_is_refused_until_ranks_are_measured():
+def test_a_model_from_its_config_needs_a_capacity_per_rank_and_own_workloads_refuse_rank_options():
     result = CliRunner().invoke(app, ["tokens", "llama-3-8b", "--max-seq-len", "64"], env={"COLUMNS": "200"})
-    assert result.exit_code == 2 and "not measured yet" in result.output
+    assert result.exit_code == 2 and "give --gpu h100-80gb" in result.output
+    result = CliRunner().invoke(app, ["tokens", "lm-tiny", "--buckets", "16", "--verify"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "a model from its config per rank" in result.output
 
 
 def test_the_microbatcher_keeps_the_padded_budget_over_a_variable_length_batch(budget):
@@ -267,3 +269,41 @@ def test_a_token_budget_packs_rows_by_their_widest_and_refuses_a_longer_row_befo
     with pytest.raises(RuntimeError, match=r"a single sample holds more tokens \(16 here\) than the budget of 15"):
         bf.Microbatcher(work.model, work.optimizer, max_tokens=15).step(batch)
     assert all(p.grad is None for p in work.model.parameters()) and work.optimizer.state == {}
+
+
+def test_a_model_from_its_config_is_traced_per_rank_and_proved_by_one_ranks_real_trials(tmp_path):
+    from batchfit.parallel.settings import Parallelism
+    from batchfit.workflows.sharded_tokens import sharded_token_budget
+
+    found = sharded_token_budget("examples/llama-tiny.json", [32, 64], "8MiB", Parallelism(world_size=4), verify=True)
+    for bucket in found.buckets:
+        confirmed(bucket.verified)
+        assert bucket.traced.batch_size > 0 and bucket.verified.device == "sim:8.0MiB"
+        if bucket.traced.batch_size == bucket.batch_size:  # an exact trace: the size and one more, nothing else
+            assert tried(bucket.verified) == [(bucket.batch_size, True), (bucket.batch_size + 1, False)]
+    assert found.buckets[0].batch_size > found.buckets[1].batch_size
+    assert found.trials == sum(len(bucket.verified.trials) for bucket in found.buckets)
+    sizes = ",".join(str(bucket.batch_size) for bucket in found.buckets)
+    assert found.lines["lhotse (NeMo train_ds, bins in tokens)"][-1] == f"bucket_batch_size=[{sizes}]"
+    out = tmp_path / "ranks.json"
+    args = [
+        "tokens",
+        "examples/llama-tiny.json",
+        "--gpus",
+        "4",
+        "--gpu",
+        "8MiB",
+        "--buckets",
+        "32,64",
+        "--json",
+        str(out),
+    ]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    document = json.loads(out.read_text())
+    assert [bucket["traced_batch_size"] for bucket in document["buckets"]] == [
+        b.traced.batch_size for b in found.buckets
+    ]
+    assert document["parallelism"]["world_size"] == 4 and document["trials"] == 0  # traced only, no --verify
+    refused = CliRunner().invoke(app, [*args[:8], "--forward"], env={"COLUMNS": "200"})
+    assert refused.exit_code == 2 and "drop --forward" in refused.output

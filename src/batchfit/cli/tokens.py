@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from batchfit.cli import sharded
 from batchfit.cli.common import AmpOption
 from batchfit.cli.common import Debug
 from batchfit.cli.common import KeepOutput
@@ -19,10 +20,12 @@ from batchfit.cli.common import console
 from batchfit.cli.common import header_line
 from batchfit.cli.common import parse_margin
 from batchfit.cli.common import with_loop
+from batchfit.cli.progress import ConsoleProgress
 from batchfit.cli.report import write_json
 from batchfit.cli.workloads import load_workload
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
+from batchfit.parallel.settings import Parallelism
 from batchfit.search.runner import device_for
 from batchfit.search.settings import SearchSettings
 from batchfit.tokens.budget import token_budget_of_workload
@@ -31,12 +34,14 @@ from batchfit.tokens.lengths import bucket_lengths
 from batchfit.tokens.lengths import parse_buckets
 from batchfit.tokens.result import MODES
 from batchfit.tokens.result import ModeBudget
-from batchfit.tokens.result import TokenBudget
-from batchfit.workflows.routing import from_config
+from batchfit.workflows.routing import Route
+from batchfit.workflows.routing import route_workload
+from batchfit.workflows.sharded_tokens import sharded_token_budget
 
 
 @app.command("tokens", epilog="Example: batchfit tokens lm-tiny --max-seq-len 512 --device sim:256MiB --forward")
 @cli_errors
+@sharded.parallel_options
 def tokens(
     workload: Annotated[
         str, typer.Argument(help="A built-in name, module:function or path/to/file.py:function.")
@@ -60,7 +65,16 @@ def tokens(
     ] = False,
     amp: AmpOption = None,
     keep_output: KeepOutput = True,
+    gpu: Annotated[
+        str | None,
+        typer.Option(help="For a model from its config: a GPU preset (h100-80gb) or a size (80GiB) per rank."),
+    ] = None,
+    verify: Annotated[
+        bool, typer.Option(help="For a model from its config: prove each traced answer by one rank's real trials.")
+    ] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
+    parallel: sharded.ParallelOptions = sharded.NO_PARALLEL_OPTIONS,
+    activation_checkpointing: sharded.Checkpointing = "none",
     debug: Debug = False,
 ) -> None:
     """The largest batch per sequence-length bucket and the tokens per micro-batch that fit, padded and packed.
@@ -68,14 +82,25 @@ def tokens(
     Each bucket is measured at its longest sequence, and every answer is tried for real with one more
     failing. The first two buckets are searched; a fit of their trials (fixed + per-token +
     per-squared-length bytes) starts every other bucket's search at its predicted size. Prints ready lines
-    for verl, OpenRLHF, slime, SkyRL, NeMo-RL, lhotse, TRL and fairseq."""
-    if from_config(workload):
-        raise InputError(
-            f"{workload} is a model built from its config: token budgets per rank under FSDP2 are not measured yet; "
-            "give a workload of your own (module:function returning a batchfit.Workload)"
-        )
+    for verl, OpenRLHF, slime, SkyRL, NeMo-RL, lhotse, TRL and fairseq.
+
+    An LLM preset or a config.json (with --gpus N and --gpu) is traced per rank under FSDP2, each bucket
+    padded, and with --verify proved by one rank's real trials."""
     lengths = bucket_lengths(parse_buckets(buckets) if buckets is not None else None, max_seq_len, num_buckets)
     check_outputs(json_path)
+    if route_workload(workload, parallel.asked) is Route.CONFIG:
+        if forward or packed or device != "auto" or amp is not None:
+            raise InputError(
+                "a model from its config is traced per rank on padded token ids: drop --forward, --packed, --device "
+                "and --amp (--param-dtype sets its precision), or give a workload of your own"
+            )
+        per_rank(workload, lengths, gpu, parallel.choices(activation_checkpointing), verify, json_path)
+        return
+    if parallel.asked or gpu or verify:
+        raise InputError(
+            "--gpus, --gpu and --verify measure a model from its config per rank (an LLM preset or a config.json); "
+            "for a workload of your own, run it on the device with --device"
+        )
     options = {"seq_len": lengths[-1], "amp_dtype": amp.value if amp else None}
     work = with_loop(load_workload(workload, only_accepted=True, **options), keep_output)
     dev = device_for(work, device)
@@ -86,8 +111,34 @@ def tokens(
         budget = token_budget_of_workload(work, lengths, settings, device=dev, packed=packed, forward=forward)
     for mode in budget.modes:
         print_mode(mode)
-    print_lines(budget)
+    print_lines(budget.lines)
     console.print(f"{budget.trials} trials in all, {budget.seconds:.1f} s.")
+    if json_path is not None:
+        write_json(json_path, budget.to_dict())
+        console.print(f"Wrote {json_path}")
+
+
+def per_rank(
+    workload: str, lengths: list[int], gpu: str | None, choices: list[Parallelism], verify: bool, json_path: Path | None
+) -> None:
+    """A model from its config: each bucket traced per rank, and with ``verify`` proved by one rank's real trials."""
+    if gpu is None:
+        raise InputError("a model from its config is traced per rank: give --gpu h100-80gb (a preset) or --gpu 80GiB")
+    if len(choices) != 1:
+        raise InputError("token budgets trace one activation-checkpointing choice at a time: none, selective or full")
+    parallelism = choices[0]
+    console.print(f"batchfit tokens: [bold]{escape(workload)}[/], one rank of {parallelism.world_size} under FSDP2")
+    budget = sharded_token_budget(workload, lengths, gpu, parallelism, verify=verify, progress=ConsoleProgress())
+    table = Table(title=f"Per rank on {escape(gpu)}: padded batches")
+    for column in ("longest seq", "batch", "tokens", "traced", "traces", "real trials"):
+        table.add_column(column, justify="right")
+    for bucket in budget.buckets:
+        trials = "-" if bucket.verified is None else str(len(bucket.verified.trials))
+        cells = (bucket.seq_len, bucket.batch_size, bucket.tokens, bucket.traced.batch_size, bucket.traced.traces)
+        table.add_row(*map(str, cells), trials)
+    console.print(table)
+    print_lines(budget.lines)
+    console.print(f"{budget.traces} traces and {budget.trials} real trials in all.")
     if json_path is not None:
         write_json(json_path, budget.to_dict())
         console.print(f"Wrote {json_path}")
@@ -129,9 +180,9 @@ def print_mode(mode: ModeBudget) -> None:
         )
 
 
-def print_lines(budget: TokenBudget) -> None:
+def print_lines(stacks: dict[str, list[str]]) -> None:
     """The ready lines, stack by stack."""
-    for stack, lines in budget.lines.items():
+    for stack, lines in stacks.items():
         console.print(f"[bold]{escape(stack)}[/]")
         for line in lines:
             console.print("  " + escape(line), soft_wrap=True)

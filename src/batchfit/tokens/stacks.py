@@ -41,25 +41,39 @@ def stack_lines(budget: TokenBudget) -> dict[str, list[str]]:
     packed, packed_forward = _packed(train), _packed(forward) or _packed(train)
     if packed is not None:
         lines.update(_packed_lines(packed, packed_forward))
-    padded, padded_forward = _padded(train), _padded(forward) or _padded(train)
     if train.buckets:
         lengths = [bucket.seq_len for bucket in train.buckets]
         sizes = [bucket.batch_size for bucket in train.buckets]
-        lines["nemo-rl (dynamic batching, padded)"] = [
-            f"policy.dynamic_batching.enabled=true policy.dynamic_batching.train_mb_tokens={padded} "
-            f"policy.dynamic_batching.logprob_mb_tokens={padded_forward} policy.sequence_packing.enabled=false"
-        ]
-        lines["lhotse (NeMo train_ds, bins in tokens)"] = [
+        forward_size = (forward.buckets or train.buckets)[-1].batch_size
+        lines.update(padded_lines(lengths, sizes, _padded(train), _padded(forward) or _padded(train), forward_size))
+    return lines
+
+
+def padded_lines(
+    lengths: list[int], sizes: list[int], tokens: int, forward_tokens: int, forward_size: int
+) -> dict[str, list[str]]:
+    """The lines of padded batching: each bucket's size (``lengths``, ``sizes``), the padded token budget
+    (``tokens``, smallest rows x longest over the buckets) and the forward ones.
+
+    >>> padded_lines([128, 256], [8, 4], 1024, 2048, 9)["fairseq"]
+    ['--max-tokens 1024 --max-tokens-valid 2048']
+    """
+    return {
+        "nemo-rl (dynamic batching, padded)": [
+            f"policy.dynamic_batching.enabled=true policy.dynamic_batching.train_mb_tokens={tokens} "
+            f"policy.dynamic_batching.logprob_mb_tokens={forward_tokens} policy.sequence_packing.enabled=false"
+        ],
+        "lhotse (NeMo train_ds, bins in tokens)": [
             "use_bucketing=true",
             f"bucket_duration_bins=[{','.join(map(str, lengths))}]",
             f"bucket_batch_size=[{','.join(map(str, sizes))}]",
-        ]
-        lines["fairseq"] = [f"--max-tokens {padded} --max-tokens-valid {padded_forward}"]
-        lines["hf trainer (padded)"] = [
-            f"TrainingArguments(per_device_train_batch_size={sizes[-1]}, per_device_eval_batch_size="
-            f"{(forward.buckets or train.buckets)[-1].batch_size})  # sequences up to {lengths[-1]} tokens"
-        ]
-    return lines
+        ],
+        "fairseq": [f"--max-tokens {tokens} --max-tokens-valid {forward_tokens}"],
+        "hf trainer (padded)": [
+            f"TrainingArguments(per_device_train_batch_size={sizes[-1]}, per_device_eval_batch_size={forward_size})"
+            f"  # sequences up to {lengths[-1]} tokens"
+        ],
+    }
 
 
 def _packed_lines(tokens: int, forward_tokens: int) -> dict[str, list[str]]:

@@ -28,6 +28,8 @@ from batchfit.workflows.sharded_estimate import estimate_config
 from batchfit.workflows.sharded_estimate import estimate_own_rank
 from batchfit.workflows.sharded_plan import ShardedPlan
 from batchfit.workflows.sharded_plan import plan_sharded
+from batchfit.workflows.sharded_tokens import ShardedTokenBudget
+from batchfit.workflows.sharded_tokens import sharded_token_budget
 from batchfit.workflows.verdict import PlanVerification
 from batchfit.workflows.verification import verification_device
 from batchfit.workflows.workload_plan import WorkloadPlan
@@ -43,6 +45,7 @@ __all__ = [
     "RankEstimate",
     "Route",
     "ShardedPlan",
+    "ShardedTokenBudget",
     "WorkloadPlan",
     "accumulating",
     "estimate_config",
@@ -53,5 +56,6 @@ __all__ = [
     "plan_workload",
     "rank_workload",
     "route_workload",
+    "sharded_token_budget",
     "verification_device",
 ]

@@ -1,0 +1,163 @@
+"""Token budgets per rank under FSDP2, for a model built from its config (``batchfit tokens CONFIG --gpus N``).
+
+Each bucket's largest micro-batch per rank is traced at its longest sequence (torch's own ``fully_shard`` over
+a fake process group, fake tensors: ``parallel.fit.largest_batch_size``), and with ``verify`` proved by one
+rank's real trials, as ``plan --verify`` proves a plan: the traced answer and the size above are run for real
+on one device holding one rank's shards (the search starting at the traced answer, so an exact trace costs two
+trials), and a traced answer that does not hold gives way to what the real trials find.
+
+A model from its config trains on padded token ids: its budget is padded (rows x the bucket's longest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batchfit.parallel.fit import LargestBatch
+from batchfit.parallel.fit import largest_batch_size
+from batchfit.parallel.models import model_config
+from batchfit.parallel.one_rank import RankWorkload
+from batchfit.parallel.settings import Parallelism
+from batchfit.search.result import SearchResult
+from batchfit.search.runner import search_workload
+from batchfit.search.settings import SearchSettings
+from batchfit.search.strategies import make_strategy
+from batchfit.tokens.lengths import bucket_lengths
+from batchfit.tokens.stacks import padded_lines
+from batchfit.workflows.progress import SILENT
+from batchfit.workflows.progress import Progress
+from batchfit.workflows.ranks import capacity_of
+from batchfit.workflows.verification import verification_device
+
+
+@dataclass
+class RankBucket:
+    """One bucket, one rank: the traced answer (``traced``) and, when verified, one rank's real search from it."""
+
+    seq_len: int
+    traced: LargestBatch
+    verified: SearchResult | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """The real trials' answer where they ran, else the trace's."""
+        return self.verified.batch_size if self.verified is not None else self.traced.batch_size
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        verified = self.verified
+        return {
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "tokens": self.tokens,
+            "traced_batch_size": self.traced.batch_size,
+            "traces": self.traced.traces,
+            "verified": None
+            if verified is None
+            else {
+                "batch_size": verified.batch_size,
+                "exact": verified.exact,
+                "device": verified.device,
+                "trials": [trial.to_dict() for trial in verified.trials],
+            },
+        }
+
+
+@dataclass
+class ShardedTokenBudget:
+    """Every bucket's micro-batch per rank of ``parallelism`` within ``capacity`` (a preset or a size)."""
+
+    workload: str
+    capacity: str
+    capacity_bytes: int
+    parallelism: Parallelism
+    buckets: list[RankBucket]
+
+    @property
+    def traces(self) -> int:
+        return sum(bucket.traced.traces for bucket in self.buckets)
+
+    @property
+    def trials(self) -> int:
+        return sum(len(bucket.verified.trials) for bucket in self.buckets if bucket.verified is not None)
+
+    @property
+    def lines(self) -> dict[str, list[str]]:
+        """The padded stacks' lines, per rank (see ``batchfit.tokens.stacks``)."""
+        fitting = [bucket for bucket in self.buckets if bucket.batch_size > 0]
+        if not fitting:
+            return {}
+        tokens = min(bucket.tokens for bucket in fitting)
+        sizes = [bucket.batch_size for bucket in fitting]
+        return padded_lines([bucket.seq_len for bucket in fitting], sizes, tokens, tokens, sizes[-1])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "capacity": self.capacity,
+            "capacity_bytes": self.capacity_bytes,
+            "parallelism": self.parallelism.to_dict(),
+            "lengths": [bucket.seq_len for bucket in self.buckets],
+            "buckets": [bucket.to_dict() for bucket in self.buckets],
+            "traces": self.traces,
+            "trials": self.trials,
+            "lines": self.lines,
+        }
+
+
+def sharded_token_budget(
+    workload: str,
+    lengths: Sequence[int],
+    capacity: str,
+    parallelism: Parallelism,
+    *,
+    verify: bool = False,
+    progress: Progress = SILENT,
+) -> ShardedTokenBudget:
+    """Per bucket (each bucket's longest sequence in ``lengths``), the largest micro-batch per rank of
+    ``parallelism`` for ``workload`` (an LLM preset or a config.json) within ``capacity``, traced; with
+    ``verify``, proved by one rank's real trials on a simulated device of that capacity.
+
+    >>> found = sharded_token_budget("examples/llama-tiny.json", [32, 64], "8MiB", Parallelism(world_size=4))
+    >>> [(bucket.seq_len, bucket.batch_size > 0) for bucket in found.buckets]
+    [(32, True), (64, True)]
+    """
+    model_config(workload)  # a file that is not a model config, or an unknown name, fails here in one line
+    capacity_bytes, label = capacity_of(capacity)
+    buckets = []
+    for seq_len in bucket_lengths(list(lengths)):
+        with progress.working(f"Tracing one rank of {parallelism.world_size} at {seq_len} tokens"):
+            traced = largest_batch_size(workload, seq_len, capacity_bytes, parallelism=parallelism)
+        bucket = RankBucket(seq_len, traced)
+        if verify and traced.batch_size > 0:
+            with progress.working(f"One rank's real trials at {seq_len} tokens"):
+                bucket.verified = _verified(workload, seq_len, parallelism, capacity_bytes, traced.batch_size)
+        progress.said(_found(bucket, label))
+        buckets.append(bucket)
+    return ShardedTokenBudget(workload, capacity, capacity_bytes, parallelism, buckets)
+
+
+def _verified(workload: str, seq_len: int, parallelism: Parallelism, capacity_bytes: int, guess: int) -> SearchResult:
+    """One rank's real search at ``seq_len``, starting at the traced answer ``guess``."""
+    work = RankWorkload(workload, seq_len, parallelism)
+    settings = SearchSettings(strategy=make_strategy("auto", guess=guess))
+    return search_workload(work, settings, device=verification_device("auto", capacity_bytes))
+
+
+def _found(bucket: RankBucket, label: str) -> str:
+    said = (
+        f"{bucket.seq_len} tokens: {bucket.traced.batch_size} sequences per rank traced on {label} "
+        f"({bucket.traced.traces} traces)"
+    )
+    if bucket.verified is not None:
+        held = "held" if bucket.verified.batch_size == bucket.traced.batch_size else "gave way"
+        said += (
+            f"; one rank's real trials: {bucket.verified.batch_size} fits, {bucket.verified.batch_size + 1} does not "
+            f"({len(bucket.verified.trials)} trials, the trace {held})"
+        )
+    return said + "."
