@@ -25,7 +25,7 @@ from batchfit.tokens.samples import PackedRows
 from batchfit.tokens.samples import at_length
 from batchfit.tokens.samples import packed_rows
 
-DEVICE = "sim:40MiB"
+DEVICE = "sim:24MiB"
 LENGTHS = [16, 32, 64, 128]
 
 
@@ -139,7 +139,7 @@ def test_the_answers_hold_in_a_hand_written_loop_over_variable_lengths(budget):
     bucket's answer, trains 5 steps on the same device without running out of memory; packed micro-batches of
     the packed budget, sequences of random lengths, do too."""
     work = lm_tiny(seq_len=128)
-    device = bf.SimulatedDevice("40MiB")
+    device = bf.SimulatedDevice("24MiB")
     model, optimizer = work.model, work.optimizer
     generator = torch.Generator().manual_seed(0)
     edges = [0, *LENGTHS]
@@ -249,7 +249,7 @@ def test_the_microbatcher_keeps_the_padded_budget_over_a_variable_length_batch(b
     work.model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
     )
-    batcher = bf.Microbatcher(work.model, work.optimizer, device=bf.SimulatedDevice("40MiB"), max_tokens=tokens)
+    batcher = bf.Microbatcher(work.model, work.optimizer, device=bf.SimulatedDevice("24MiB"), max_tokens=tokens)
     for _ in range(3):
         batcher.step(batch)
     assert all(record.ooms == 0 for record in batcher.history) and batcher.current_max_tokens == tokens
