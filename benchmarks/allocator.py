@@ -35,7 +35,7 @@ from torch.nn import functional as F
 import batchfit as bf
 from batchfit.devices.trace import TraceDevice
 from batchfit.devices.units import format_bytes
-from batchfit.search.files import atomic_write_text
+from batchfit.files import atomic_write_text
 from batchfit.search.runner import probe_workload
 from batchfit.search.runner import trace_estimate
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
-from batchfit.search.files import atomic_write_text
+from batchfit.files import atomic_write_text
 from batchfit.search.prober import Prober
 from batchfit.step.builtin_workloads import cnn_small
 from batchfit.step.builtin_workloads import gpt_tiny

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.search.files import atomic_write_text
+from batchfit.files import atomic_write_text
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "tests" / "support"))

@@ -34,7 +34,7 @@ from torch.nn import functional as F
 import batchfit as bf
 from batchfit.devices.presets import usable_bytes
 from batchfit.devices.trace import TraceDevice
-from batchfit.search.files import atomic_write_text
+from batchfit.files import atomic_write_text
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "tests" / "support"))

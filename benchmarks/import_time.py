@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from batchfit.search.files import atomic_write_text
+from batchfit.files import atomic_write_text
 
 HERE = Path(__file__).parent
 WARM_RUNS = 7

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.search.files import atomic_write_text
+from batchfit.files import atomic_write_text
 from batchfit.step.batching import resize_batch
 from batchfit.step.batching import slice_batch
 from batchfit.step.builtin_workloads import cnn_small

@@ -35,8 +35,8 @@ import batchfit as bf
 from batchfit.devices.trace import TraceDevice
 from batchfit.devices.units import format_bytes
 from batchfit.errors import TraceError
+from batchfit.files import atomic_write_text
 from batchfit.search.estimate import estimate_workload
-from batchfit.search.files import atomic_write_text
 from batchfit.step.batching import tensor_leaves
 
 HERE = Path(__file__).parent

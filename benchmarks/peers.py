@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import batchfit as bf
-from batchfit.search.files import atomic_write_text
+from batchfit.files import atomic_write_text
 from batchfit.step.builtin_workloads import mlp
 
 HERE = Path(__file__).parent

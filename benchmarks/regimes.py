@@ -50,7 +50,7 @@ from torch.nn import functional as F
 
 import batchfit as bf
 from batchfit.devices.cleanup import drain_autograd_queue
-from batchfit.search.files import atomic_write_text
+from batchfit.files import atomic_write_text
 from batchfit.search.prober import Prober
 from batchfit.search.runner import probe_workload
 from batchfit.search.strategies import Grow

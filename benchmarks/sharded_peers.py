@@ -46,10 +46,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchfit.files import atomic_write_text
 from batchfit.parallel import Parallelism
 from batchfit.parallel import model_config
 from batchfit.parallel import trace_rank
-from batchfit.search.files import atomic_write_text
 
 HERE = Path(__file__).parent
 MD_PATH, JSON_PATH = HERE / "SHARDED-PEERS.md", HERE / "sharded-peers.json"

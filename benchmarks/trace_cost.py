@@ -34,8 +34,8 @@ import torch
 
 import batchfit as bf
 from batchfit.devices.units import format_bytes
+from batchfit.files import atomic_write_text
 from batchfit.search.estimate import estimate_workload
-from batchfit.search.files import atomic_write_text
 from batchfit.search.prober import Prober
 from batchfit.search.runner import trace_estimate
 from batchfit.step.builtin_workloads import TinyGPT

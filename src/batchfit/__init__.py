@@ -47,14 +47,14 @@ from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import STRATEGIES
 from batchfit.search.strategies import SearchSpace
 from batchfit.search.strategies import make_strategy
-from batchfit.search.throughput import ThroughputResult
-from batchfit.search.throughput import find_optimal_batch_size
 from batchfit.search.trial import Trial
 from batchfit.step.state import StateSnapshot
 from batchfit.step.workload import Workload
 from batchfit.sweep.api import sweep_grid
 from batchfit.sweep.results import SweepResult
 from batchfit.sweep.rules import ScaleRules
+from batchfit.throughput import ThroughputResult
+from batchfit.throughput import find_optimal_batch_size
 from batchfit.tokens.budget import find_token_budget
 from batchfit.tokens.result import TokenBudget
 

@@ -15,8 +15,8 @@ import batchfit as bf
 from batchfit.planning.noise import NoiseScaleEstimator
 from batchfit.planning.noise import goodput_optimal_batch
 from batchfit.planning.noise import two_batch_estimates
-from batchfit.search.throughput import ThroughputPoint
-from batchfit.search.throughput import ThroughputResult
+from batchfit.throughput import ThroughputPoint
+from batchfit.throughput import ThroughputResult
 from noise_data import POPULATION
 from noise_data import loader
 from noise_data import regression

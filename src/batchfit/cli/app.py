@@ -65,9 +65,9 @@ from batchfit.search.runner import search_workload
 from batchfit.search.runner import traces_first
 from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import STRATEGIES
-from batchfit.search.throughput import optimal_for_workload
 from batchfit.search.trial import Trial
 from batchfit.step.builtin_workloads import BUILTIN_WORKLOADS
+from batchfit.throughput import optimal_for_workload
 from batchfit.workflows.rank_workloads import rank_workload
 from batchfit.workflows.ranks import capacity_of
 from batchfit.workflows.routing import DEFAULT_SEQ_LEN

@@ -19,7 +19,7 @@ from batchfit.cli.workloads import load_workload
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
-from batchfit.search.files import check_writable
+from batchfit.files import check_writable
 from batchfit.search.settings import LARGEST_SIZE
 from batchfit.step.workload import Workload
 

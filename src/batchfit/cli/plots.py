@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from batchfit.errors import InputError
-from batchfit.search.files import atomic_write_bytes
+from batchfit.files import atomic_write_bytes
 from batchfit.search.memory_model import MemoryModel
 from batchfit.search.result import SearchResult
 

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from batchfit._version import versions
 from batchfit.devices.units import format_bytes
-from batchfit.search.files import atomic_write_text
+from batchfit.files import atomic_write_text
 from batchfit.search.result import SearchResult
 from batchfit.search.trial import Trial
 

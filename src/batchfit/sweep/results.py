@@ -15,7 +15,7 @@ from typing import Any
 
 from batchfit._version import versions
 from batchfit.errors import InputError
-from batchfit.search.files import atomic_write_text
+from batchfit.files import atomic_write_text
 
 MOVE_IT = "move it away or choose another results path"
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from batchfit.search.files import atomic_write_text
+from batchfit.files import atomic_write_text
 
 
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchfit.devices.simulated import SimulatedDevice
-from batchfit.search.throughput import find_optimal_batch_size
+from batchfit.throughput import find_optimal_batch_size
 
 ALPHA, BETA = 0.01, 1e-4  # seconds, seconds per sample
 
@@ -145,7 +145,7 @@ def test_timing_warmup_steps_run_untimed_before_the_timed_steps():
 
 
 def test_the_search_for_the_maximum_gets_every_search_keyword(monkeypatch):
-    import batchfit.search.throughput as throughput
+    import batchfit.throughput.optimal as throughput
 
     seen = []
 

@@ -1,0 +1,24 @@
+"""The throughput-optimal batch, built on the search: the largest batch that fits bounds a grid of batch sizes,
+each timed in steady state (state restored after each), and the smallest batch within a tolerance of the best
+samples/s is chosen, with the fitted step time t(B) = alpha + beta*B and its knees (``optimal``), returned as
+a ``ThroughputResult`` of ``ThroughputPoint`` s (``result``).
+
+May import ``step``, ``devices``, ``search`` and ``errors``; never ``runtime``, ``sweep``, ``cli`` or
+``integrations``. The workflows, the integrations and the CLI import it.
+"""
+
+from __future__ import annotations
+
+from batchfit.throughput.optimal import check_maximum
+from batchfit.throughput.optimal import find_optimal_batch_size
+from batchfit.throughput.optimal import optimal_for_workload
+from batchfit.throughput.result import ThroughputPoint
+from batchfit.throughput.result import ThroughputResult
+
+__all__ = [
+    "ThroughputPoint",
+    "ThroughputResult",
+    "check_maximum",
+    "find_optimal_batch_size",
+    "optimal_for_workload",
+]
