@@ -1,14 +1,10 @@
 """The largest micro-batch per rank under a capacity, from a few traces of one rank.
 
-Activations and backward's temporaries grow linearly in the micro-batch while everything else
-(sharded state, gathered parameters, buffers) stays, so each phase's peak (forward, backward,
-optimizer) is a line in the micro-batch and the step's peak is the highest of them: the lines
-through the traces at 1 and 2 predict the edge, also when the peak moves from one phase to
-another between them and the edge (large models with activation checkpointing peak in the
-optimizer step at small batches). The answer is then confirmed by tracing it and the size above
-it. Where a trace disagrees with the lines (allocator rounding, a curved peak), the search keeps
-the traced sizes that fit and do not, and interpolates and halves between them, so the answer is
-always a traced size that fits next to a traced size that does not.
+The search is the library's one search loop (``search_workload``) over one rank on a
+``TraceDevice``, with the ``PhaseLines`` strategy: each phase's peak is a line in the micro-batch,
+so the lines through the traces at 1 and 2 predict the edge, which is then confirmed by tracing it
+and the size above it (see ``batchfit.parallel.phase_lines``). The answer is always a traced size
+that fits next to a traced size that does not.
 
 All sizes are traced on one ``RankSession``: the model is built and sharded once, and every size
 after the first costs one steady training step.
@@ -16,18 +12,24 @@ after the first costs one steady training step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
 from dataclasses import dataclass
-from dataclasses import replace
 from typing import Any
 
+from batchfit.devices.trace import TraceDevice
 from batchfit.devices.trace import trace_capacity_bytes
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
+from batchfit.errors import NoBatchFitsError
 from batchfit.parallel.models import ModelSpec
+from batchfit.parallel.one_rank import ONE_RANK
+from batchfit.parallel.one_rank import TOKEN_BYTES
+from batchfit.parallel.one_rank import RankBackend
+from batchfit.parallel.phase_lines import PhaseLines
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import RankSession
 from batchfit.parallel.trace import ShardedEstimate
+from batchfit.search.runner import search_workload
 
 
 @dataclass(frozen=True)
@@ -56,66 +58,45 @@ class LargestBatch:
         }
 
 
-Points = dict[int, dict[str, int]]  # batch size -> peak bytes by phase (or the step's peak alone)
+class _SessionTraces:
+    """What ``largest_batch_size`` searches: one rank's ``RankSession``, made before the search with the
+    caller's options. Its backend (``RankBackend``) runs each trial on a ``TraceDevice`` as a trace of
+    the session it gets from ``session``: this object, which keeps every trace by size, since the
+    answer carries the estimates at its size and the one above, which trials do not."""
 
+    def __init__(self, session: RankSession, name: str):
+        self._session, self.name = session, name
+        self.traced: dict[int, ShardedEstimate] = {}
 
-def _line_guess(low: tuple[int, int], high: tuple[int, int], capacity_bytes: int) -> int | None:
-    """The batch size where the line through two ``(batch, peak)`` points reaches the capacity."""
-    (b1, p1), (b2, p2) = low, high
-    if p2 <= p1:
-        return None
-    return b1 + (capacity_bytes - p1) * (b2 - b1) // (p2 - p1)
+    def backend(self) -> RankBackend:
+        return ONE_RANK
 
+    def bytes_per_sample(self) -> int:
+        return self._session.seq_len * TOKEN_BYTES
 
-def _lines_guess(points: Points, low: int, high: int, capacity_bytes: int) -> int | None:
-    """Where the first of the phases' lines through the traces at ``low`` and ``high`` reaches the
-    capacity (the step's peak is the highest phase's): ``None`` when no line rises."""
-    guesses = [
-        _line_guess((low, points[low][phase]), (high, points[high][phase]), capacity_bytes)
-        for phase in points[low].keys() & points[high].keys()
-    ]
-    rising = [guess for guess in guesses if guess is not None]
-    return min(rising) if rising else None
+    def session(self, steps: int) -> _SessionTraces:
+        """The session to trace in (made already, with the same ``steps`` as the search's)."""
+        return self
 
+    def __enter__(self) -> _SessionTraces:
+        self._session.__enter__()
+        return self
 
-def _next_size(
-    history: list[tuple[int, int]], capacity_bytes: int, max_batch_size: int, points: Points | None = None
-) -> int | None:
-    """The next batch size to trace after the ``(batch, peak)`` traces of ``history`` (in the order
-    traced), or ``None`` once a fitting size sits next to a failing one (or the maximum fits).
-    ``points`` are the traces' peaks by phase (the step's peak alone where absent): each phase's
-    peak is a line in the batch size, so the lines through two traces predict where the first
-    of them reaches the capacity. Unbracketed: the lines from the trace at 1 through the largest
-    fitting one (doubling where all are flat). Bracketed: the lines between the bracket's ends,
-    where they predict the edge at the fitting end, the size above it; after two traces on one
-    side (lines creeping up on a curved peak), the bracket's middle."""
-    peaks = dict(history)
-    points = points or {batch: {"step": peak} for batch, peak in history}
-    fitting = sorted(b for b, peak in peaks.items() if peak <= capacity_bytes)
-    failing = sorted(b for b, peak in peaks.items() if peak > capacity_bytes)
-    lo, hi = fitting[-1], (failing[0] if failing else None)
-    if (hi is not None and hi == lo + 1) or (hi is None and lo >= max_batch_size):
-        return None
-    if hi is None:
-        guess = _lines_guess(points, fitting[0], lo, capacity_bytes) if lo > fitting[0] else None
-        return min(max(lo * 2 if guess is None else guess, lo + 1), max_batch_size)
-    guess = _lines_guess(points, lo, hi, capacity_bytes)
-    if guess is None or guess <= lo:
-        return lo + 1
-    sides = [peak <= capacity_bytes for _, peak in history[-2:]]
-    if len(history) > 3 and sides[0] == sides[1]:
-        return (lo + hi) // 2
-    return min(guess, hi - 1)
+    def __exit__(self, *exc_info: object) -> None:
+        self._session.__exit__(*exc_info)
 
+    @property
+    def model(self) -> Any:
+        """The rank's sharded model, where this process holds it (not where a child process traces)."""
+        return getattr(self._session, "model", None)
 
-def _points(traced: dict[int, ShardedEstimate]) -> Points:
-    """Each trace's peaks by phase (the step's peak is the highest of them), or the step's peak
-    alone where a trace has none."""
-    return {batch: dict(e.phase_peaks_bytes) or {"step": e.peak_bytes} for batch, e in traced.items()}
+    @property
+    def steps_run(self) -> int:
+        return self._session.steps_run
 
-
-def _history(traced: dict[int, ShardedEstimate]) -> list[tuple[int, int]]:
-    return [(batch_size, estimate.peak_bytes) for batch_size, estimate in traced.items()]
+    def trace(self, batch_size: int) -> ShardedEstimate:
+        self.traced[batch_size] = estimate = self._session.trace(batch_size)
+        return estimate
 
 
 def largest_batch_size(
@@ -133,30 +114,30 @@ def largest_batch_size(
     The model is built and sharded once (a ``RankSession``): the first size runs ``steps``
     steps, every later one a single steady step with the same peak as its own ``trace_rank``.
     A search led by the phases' lines usually traces four sizes (1, 2, the answer and the size
-    above it)."""
+    above it): ``search_workload`` with the ``PhaseLines`` strategy, on a ``TraceDevice`` of the
+    capacity (no cache, no agreement across ranks)."""
     capacity_bytes = trace_capacity_bytes(capacity)
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise InputError(f"max_batch_size must be an integer of at least 1, got {max_batch_size!r}")
-    with RankSession(model, seq_len, parallelism=parallelism, **trace_options) as session:
-        found = _search(session.trace, capacity_bytes, max_batch_size)
-    return replace(found, steps=session.steps_run)
-
-
-def _search(trace: Callable[[int], ShardedEstimate], capacity_bytes: int, max_batch_size: int) -> LargestBatch:
-    traced: dict[int, ShardedEstimate] = {}
-
-    def peak_at(batch_size: int) -> int:
-        traced[batch_size] = trace(batch_size)
-        return traced[batch_size].peak_bytes
-
-    if peak_at(1) > capacity_bytes:
-        return LargestBatch(0, capacity_bytes, traced[1], None, 1)
-    if max_batch_size > 1:
-        peak_at(2)
-    while (size := _next_size(_history(traced), capacity_bytes, max_batch_size, _points(traced))) is not None:
-        peak_at(size)
-    best = max(b for b, e in traced.items() if e.peak_bytes <= capacity_bytes)
-    return LargestBatch(best, capacity_bytes, traced[best], traced.get(best + 1), len(traced))
+    name = model if isinstance(model, str) else getattr(model, "__name__", type(model).__name__)
+    work = _SessionTraces(RankSession(model, seq_len, parallelism=parallelism, **trace_options), name)
+    with contextlib.suppress(NoBatchFitsError):  # not even 1 fits: the answer is 0, with the trace at 1
+        search_workload(
+            work,
+            device=TraceDevice(capacity_bytes),
+            strategy=PhaseLines(),
+            max_batch_size=max_batch_size,
+            steps=trace_options.get("steps", 2),
+            trace=False,
+            cache=False,
+            agree=False,
+        )
+    traced = work.traced
+    fitting = [batch for batch, estimate in traced.items() if estimate.peak_bytes <= capacity_bytes]
+    if not fitting:
+        return LargestBatch(0, capacity_bytes, traced[1], None, len(traced), work.steps_run)
+    best = max(fitting)
+    return LargestBatch(best, capacity_bytes, traced[best], traced.get(best + 1), len(traced), work.steps_run)
 
 
 def describe(found: LargestBatch) -> str:
@@ -174,33 +155,3 @@ def describe(found: LargestBatch) -> str:
         f"Up to micro-batch {found.batch_size} x {at.seq_len} tokens per rank fits in "
         f"{format_bytes(found.capacity_bytes)} over {at.world_size} ranks ({format_bytes(at.peak_bytes)} at {found.batch_size})."
     )
-
-
-class PhaseLines:
-    """``largest_batch_size``'s search as a search strategy, for one rank traced on fake tensors
-    (a ``TraceDevice``): the sizes 1 and 2, then where the phases' lines reach the usable memory,
-    confirmed by the size above (see ``_next_size``). A fake trial's peak is known also past the
-    memory, which lets the lines aim from both sides.
-
-    >>> from batchfit.search.strategies import SearchSpace
-    >>> from batchfit.search.trial import Trial
-    >>> space, lines = SearchSpace(1, 100, limit_bytes=1000), PhaseLines()
-    >>> lines.next([], space), lines.next([Trial(1, True, 300, 0.1)], space)
-    (1, 2)
-    >>> lines.next([Trial(1, True, 300, 0.1), Trial(2, True, 400, 0.1)], space)
-    8
-    """
-
-    name = "phase-lines"
-
-    def next(self, trials: Any, space: Any) -> int | None:
-        if not trials:
-            return space.min_batch_size
-        limit = space.limit_bytes
-        if limit is None or not trials[0].fits:
-            return None
-        if len(trials) == 1:
-            return trials[0].batch_size + 1 if trials[0].batch_size < space.max_batch_size else None
-        history = [(t.batch_size, t.peak_bytes if t.fits else max(t.peak_bytes or 0, limit + 1)) for t in trials]
-        points = {t.batch_size: dict(t.phase_peak_bytes) or {"step": t.peak_bytes} for t in trials if t.peak_bytes}
-        return _next_size(history, limit, space.max_batch_size, points)

@@ -39,9 +39,9 @@ from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
 from batchfit.errors import ModelDoesNotFitError
 from batchfit.errors import NoBatchFitsError
-from batchfit.parallel.fit import PhaseLines
 from batchfit.parallel.models import ModelSpec
 from batchfit.parallel.models import model_builder
+from batchfit.parallel.phase_lines import PhaseLines
 from batchfit.parallel.settings import REAL_OFFLOAD_REFUSAL
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import OptimizerFactory
@@ -231,7 +231,8 @@ class RankProber:
         with contextlib.ExitStack() as stack:
             self._session = stack.enter_context(self.work.session(self.steps))
             self._prober = None
-            parameters = self._session.model.parameters()
+            model = getattr(self._session, "model", None)  # None where a child process traces (CPU offload)
+            parameters = model.parameters() if model is not None else ()
             self.baseline_bytes = sum(t.numel() * t.element_size() for p in parameters for t in local_tensors(p))
             self._stack = stack.pop_all()
         return self
