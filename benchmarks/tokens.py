@@ -64,7 +64,7 @@ def hf_workload(kind: str) -> bf.Workload:
 
 def doubling_and_bisection(work: bf.Workload, seq_len: int, device: str) -> tuple[int, int]:
     """One bucket searched as OOMptimizer does: double until a failure, bisect to the edge. (answer, trials)."""
-    at = dataclasses.replace(work, sample_batch=at_length(work.sample_batch, seq_len))
+    at = dataclasses.replace(work, sample_batch=at_length(work.sample_batch, seq_len), accumulating=True)
     dev = resolve_device(device, at.model)
     _, limit = usable_bytes(dev, 0)
     trials = 0
@@ -211,7 +211,9 @@ def write(rows: list[str], loops: list[str]) -> None:
 
 `python benchmarks/tokens.py` (torch {torch.__version__}, CPU, simulated devices with exact byte counting).
 Buckets (each bucket's longest sequence): {", ".join(map(str, LENGTHS))}. Training: forward, backward,
-AdamW step, the output held through backward as a hand-written loop holds it.
+AdamW step, the output held through backward as a hand-written loop holds it, measured as a later
+micro-batch of an accumulation window (the window's gradients held), as batchfit measures token budgets
+by default and every stack that batches by tokens runs them.
 
 ## Every bucket exact, and the trials it took
 

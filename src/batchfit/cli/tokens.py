@@ -63,6 +63,13 @@ def tokens(
     forward: Annotated[
         bool, typer.Option(help="Also measure forward-only budgets (scoring, reference and rollout log-probs).")
     ] = False,
+    accumulating: Annotated[
+        bool,
+        typer.Option(
+            help="Measure training as a later micro-batch of an accumulation window, the window's gradients held "
+            "(--no-accumulating: each micro-batch is a whole optimizer step)."
+        ),
+    ] = True,
     amp: AmpOption = None,
     keep_output: KeepOutput = True,
     gpu: Annotated[
@@ -106,9 +113,13 @@ def tokens(
     dev = device_for(work, device)
     console.print(header_line(work, dev, "tokens"))
     console.print(f"Buckets (longest sequence of each): {', '.join(map(str, lengths))}")
+    if accumulating:
+        console.print("Training measured as a later micro-batch of an accumulation window (its gradients held).")
     settings = SearchSettings(margin=parse_margin(margin))
     with console.status("Searching the buckets ..."):
-        budget = token_budget_of_workload(work, lengths, settings, device=dev, packed=packed, forward=forward)
+        budget = token_budget_of_workload(
+            work, lengths, settings, device=dev, packed=packed, forward=forward, accumulating=accumulating
+        )
     for mode in budget.modes:
         print_mode(mode)
     print_lines(budget.lines)

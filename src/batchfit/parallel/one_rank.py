@@ -241,7 +241,8 @@ class RankProber:
         stack, self._stack, self._prober, self._session = self._stack, None, None, None
         if stack is not None:
             stack.close()
-        self.device.collect()  # FSDP2's modules and hooks hold cycles: the rank's memory is free only after a collection
+        if not isinstance(self.device, TraceDevice):  # fake tensors hold no memory to free: no full collection
+            self.device.collect()  # FSDP2's modules and hooks hold cycles: the rank's memory is free only after one
 
     def probe(self, batch_size: int, steps: int | None = None) -> Trial:
         if self._prober is None:

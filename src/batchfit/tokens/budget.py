@@ -66,6 +66,7 @@ def token_budget_of_workload(
     device: DeviceSpec = None,
     packed: bool | None = None,
     forward: bool = False,
+    accumulating: bool = True,
     said: Said | None = None,
 ) -> TokenBudget:
     """``find_token_budget`` for a ``Workload`` whose sample holds sequences along dimension 1.
@@ -73,7 +74,11 @@ def token_budget_of_workload(
     ``lengths``: each bucket's longest sequence. ``packed``: ``True`` measures the packed budget (refused in
     one line where the sample cannot be packed), ``False`` skips it, ``None`` measures it where the sample can
     be packed. ``forward`` also measures forward-only budgets (scoring, reference log-probs), larger than
-    training's. ``said(line)`` hears each answer as it is found.
+    training's. ``accumulating`` (the default) measures training as a later micro-batch of an accumulation
+    window, the window's gradients held through forward and backward: every stack that batches by tokens
+    accumulates over its micro-batches, and a budget measured without the gradients runs out of memory from
+    the second micro-batch on; ``False`` measures steps that each make a whole optimizer step.
+    ``said(line)`` hears each answer as it is found.
     """
     start = time.perf_counter()
     lengths = bucket_lengths(list(lengths))
@@ -84,8 +89,11 @@ def token_budget_of_workload(
     if packed and refusal is not None:
         raise InputError(f"cannot measure a packed budget: {refusal}; drop packed=True (or --packed)")
     quiet = said or (lambda line: None)
+    training = (
+        dataclasses.replace(workload, accumulating=accumulating) if workload.accumulating != accumulating else workload
+    )
     modes = [
-        _mode_budget(workload, mode, lengths, base, dev, limit, packed, refusal, quiet) for mode in _modes(forward)
+        _mode_budget(training, mode, lengths, base, dev, limit, packed, refusal, quiet) for mode in _modes(forward)
     ]
     budget = TokenBudget(
         workload.name,
@@ -95,6 +103,7 @@ def token_budget_of_workload(
         modes[0],
         modes[1] if forward else None,
         time.perf_counter() - start,
+        accumulating=accumulating,
     )
     budget.lines = stack_lines(budget)
     return budget
@@ -115,7 +124,7 @@ def _mode_budget(
     refusal: str | None,
     said: Said,
 ) -> ModeBudget:
-    work = workload if workload.mode == mode else dataclasses.replace(workload, mode=mode)
+    work = workload if workload.mode == mode else dataclasses.replace(workload, mode=mode, accumulating=False)
     buckets: dict[int, BucketBudget] = {}
     lines: list[LengthLine] = []
     fit: TokenMemoryFit | None = None
@@ -172,6 +181,7 @@ def find_token_budget(
     device: DeviceSpec = None,
     packed: bool | None = None,
     forward: bool = False,
+    accumulating: bool = True,
     step_fn: Callable | None = None,
     keep_output: bool = True,
     settings: SearchSettings | None = None,
@@ -183,7 +193,8 @@ def find_token_budget(
     ``sample_batch`` holds sequences along dimension 1 (token ids, labels, a mask), at any length: it is cut
     or padded to each bucket's longest. Buckets are ``lengths`` (each bucket's longest sequence) or made from
     ``max_seq_len`` by halving (6 buckets). A packed batch is a mapping sample for a model that takes
-    ``position_ids`` (as ``DataCollatorWithFlattening`` feeds a Hugging Face model). ``settings`` (a
+    ``position_ids`` (as ``DataCollatorWithFlattening`` feeds a Hugging Face model). Training is measured as a
+    later micro-batch of an accumulation window (``accumulating``, see ``token_budget_of_workload``). ``settings`` (a
     ``SearchSettings``) says how each search runs: ``margin``, ``steps``, ``max_trials`` ...
 
     >>> import batchfit as bf
@@ -192,7 +203,7 @@ def find_token_budget(
     >>> budget = bf.find_token_budget(work.model, work.sample_batch, lengths=[32, 64], loss_fn=work.loss_fn,
     ...                               optimizer=work.optimizer, device="sim:96MiB")
     >>> [(bucket.seq_len, bucket.batch_size) for bucket in budget.training.buckets]
-    [(32, 114), (64, 57)]
+    [(32, 112), (64, 56)]
     """
     workload = Workload(model, sample_batch, loss_fn, optimizer, amp_dtype, step_fn=step_fn, keep_output=keep_output)
     return token_budget_of_workload(
@@ -202,4 +213,5 @@ def find_token_budget(
         device=device,
         packed=packed,
         forward=forward,
+        accumulating=accumulating,
     )

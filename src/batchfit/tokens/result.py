@@ -148,6 +148,8 @@ class TokenBudget:
     training: ModeBudget
     forward: ModeBudget | None = None
     seconds: float = 0.0
+    accumulating: bool = True
+    """Training measured as a later micro-batch of an accumulation window (the window's gradients held)."""
     lines: dict[str, list[str]] = field(default_factory=dict)
 
     @property
@@ -170,6 +172,7 @@ class TokenBudget:
             "capacity_bytes": self.capacity_bytes,
             "limit_bytes": self.limit_bytes,
             "lengths": self.lengths,
+            "accumulating": self.accumulating,
             "training": self.training.to_dict(),
             "forward": self.forward.to_dict() if self.forward is not None else None,
             "trials": self.trials,

@@ -123,9 +123,9 @@ def sharded_token_budget(
     ``parallelism`` for ``workload`` (an LLM preset or a config.json) within ``capacity``, traced; with
     ``verify``, proved by one rank's real trials on a simulated device of that capacity.
 
-    >>> found = sharded_token_budget("examples/llama-tiny.json", [32, 64], "8MiB", Parallelism(world_size=4))
-    >>> [(bucket.seq_len, bucket.batch_size > 0) for bucket in found.buckets]
-    [(32, True), (64, True)]
+    >>> found = sharded_token_budget("examples/llama-tiny.json", [32], "8MiB", Parallelism(world_size=4))
+    >>> [(bucket.seq_len, bucket.batch_size > 0, bucket.verified) for bucket in found.buckets]
+    [(32, True, None)]
     """
     model_config(workload)  # a file that is not a model config, or an unknown name, fails here in one line
     capacity_bytes, label = capacity_of(capacity)
