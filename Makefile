@@ -33,7 +33,7 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples docs/hooks .ci
 	$(BIN)/ruff format --check src tests benchmarks examples docs/hooks .ci
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --quiet --strict --site-dir build/site
-	$(BIN)/python -m pytest -n 2 -m "not slow" src tests
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow" src tests
 
 # The package as a user installs it, in a fresh virtual environment: no extras, the lowest versions admitted,
 # then [plot] and [transformers] (about 100 s; CI runs it after `make test`).

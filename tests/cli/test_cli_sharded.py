@@ -90,6 +90,7 @@ def test_a_sharded_plan_needs_a_gpu_preset_or_size():
     assert result.exit_code == 2 and "is neither a size like '40GiB' nor a GPU preset" in result.stderr
 
 
+@pytest.mark.slow  # tests/parallel/test_parallel_offload.py covers offload itself in every make test
 def test_cpu_offload_moves_the_sharded_state_to_the_host_and_fits_more_per_rank(small_llama, tmp_path):
     out = tmp_path / "offload.json"
     args = ["--capacity", CAPACITY, "--gpus", "2", "--seq-len", "64", "--cpu-offload", "--json", str(out)]

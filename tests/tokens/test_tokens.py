@@ -25,6 +25,8 @@ from batchfit.tokens.samples import PackedRows
 from batchfit.tokens.samples import at_length
 from batchfit.tokens.samples import packed_rows
 
+pytestmark = pytest.mark.xdist_group("tokens")  # one worker computes the module's budget once
+
 DEVICE = "sim:24MiB"
 LENGTHS = [16, 32, 64, 128]
 
@@ -275,6 +277,7 @@ def test_a_token_budget_packs_rows_by_their_widest_and_refuses_a_longer_row_befo
     assert all(p.grad is None for p in work.model.parameters()) and work.optimizer.state == {}
 
 
+@pytest.mark.slow  # the token-budgets guide runs the same command with --verify in every make test
 def test_a_model_from_its_config_is_traced_per_rank_and_proved_by_one_ranks_real_trials(tmp_path):
     from batchfit.parallel.settings import Parallelism
     from batchfit.workflows.sharded_tokens import sharded_token_budget
