@@ -27,7 +27,7 @@ from batchfit.tokens.samples import packed_rows
 
 pytestmark = pytest.mark.xdist_group("tokens")  # one worker computes the module's budget once
 
-DEVICE = "sim:24MiB"
+DEVICE = "sim:16MiB"
 LENGTHS = [16, 32, 64, 128]
 
 
@@ -44,7 +44,7 @@ def confirmed(search) -> None:
 
 @pytest.fixture(scope="module")
 def budget():
-    return token_budget_of_workload(lm_tiny(seq_len=128), LENGTHS, device=DEVICE, forward=True)
+    return token_budget_of_workload(lm_tiny(seq_len=128, layers=1), LENGTHS, device=DEVICE, forward=True)
 
 
 def test_buckets_are_given_or_made_by_halving_and_bad_ones_are_refused_in_one_line():
@@ -119,7 +119,7 @@ def test_the_fit_of_two_buckets_sends_the_others_straight_to_their_edge(budget):
 
 @pytest.mark.slow  # a cross-check; benchmarks/tokens.py runs it on every bucket of three models
 def test_each_answer_is_the_one_a_binary_search_of_its_own_finds(budget):
-    work = lm_tiny(seq_len=128)
+    work = lm_tiny(seq_len=128, layers=1)
     for bucket in budget.training.buckets[1:3]:
         at = dataclasses.replace(work, sample_batch=at_length(work.sample_batch, bucket.seq_len), accumulating=True)
         assert bf.search_workload(at, device=DEVICE, strategy="binary").batch_size == bucket.batch_size
@@ -141,8 +141,8 @@ def test_the_answers_hold_in_a_hand_written_loop_over_variable_lengths(budget):
     """A loader that draws each sequence's length within its bucket and pads the batch to its longest, at the
     bucket's answer, trains 5 steps on the same device without running out of memory; packed micro-batches of
     the packed budget, sequences of random lengths, do too."""
-    work = lm_tiny(seq_len=128)
-    device = bf.SimulatedDevice("24MiB")
+    work = lm_tiny(seq_len=128, layers=1)
+    device = bf.SimulatedDevice("16MiB")
     model, optimizer = work.model, work.optimizer
     generator = torch.Generator().manual_seed(0)
     edges = [0, *LENGTHS]
@@ -173,7 +173,7 @@ def test_the_answers_hold_in_a_hand_written_loop_over_variable_lengths(budget):
 
 
 def test_a_search_leaves_the_model_and_optimizer_as_they_were():
-    work = lm_tiny(seq_len=32)
+    work = lm_tiny(seq_len=32, layers=1)
     before = {name: value.clone() for name, value in work.model.state_dict().items()}
     token_budget_of_workload(work, [16, 32], device=DEVICE, packed=False)
     after = work.model.state_dict()
@@ -191,7 +191,7 @@ def test_a_sample_that_cannot_be_packed_is_skipped_with_why_or_refused_when_pack
 
 
 def test_the_library_function_takes_a_model_and_sample_as_find_max_batch_size_does():
-    work = lm_tiny(seq_len=64)
+    work = lm_tiny(seq_len=64, layers=1)
     budget = bf.find_token_budget(
         work.model, work.sample_batch, max_seq_len=64, optimizer=work.optimizer, device=DEVICE, packed=False
     )
@@ -248,14 +248,14 @@ def test_the_microbatcher_keeps_the_padded_budget_over_a_variable_length_batch()
     ids = torch.randint(0, 512, (64, 128), generator=generator)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     held = sum(tensor.untyped_storage().nbytes() for tensor in batch.values())
-    work = lm_tiny(seq_len=128)
+    work = lm_tiny(seq_len=128, layers=1)
     measured = token_budget_of_workload(work, [128], bf.SearchSettings(margin=held), device=DEVICE, packed=False)
     tokens = measured.training.buckets[0].tokens
     seen: list[tuple[int, int]] = []
     work.model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
     )
-    batcher = bf.Microbatcher(work.model, work.optimizer, device=bf.SimulatedDevice("24MiB"), max_tokens=tokens)
+    batcher = bf.Microbatcher(work.model, work.optimizer, device=bf.SimulatedDevice("16MiB"), max_tokens=tokens)
     for _ in range(3):
         batcher.step(batch)
     assert all(record.ooms == 0 for record in batcher.history) and batcher.current_max_tokens == tokens
@@ -269,7 +269,7 @@ def test_a_token_budget_packs_rows_by_their_widest_and_refuses_a_longer_row_befo
     lengths = [4, 16, 9, 12, 3, 16, 7, 10, 5, 14, 8, 11]
     mask = (torch.arange(16)[None, :] < torch.tensor(lengths)[:, None]).long()
     batch = {"input_ids": torch.randint(0, 512, (12, 16)), "attention_mask": mask}
-    work = lm_tiny(seq_len=16)
+    work = lm_tiny(seq_len=16, layers=1)
     batcher = bf.Microbatcher(work.model, work.optimizer, max_tokens=32)
     assert batcher._slices(batch, 32) == [(0, 2), (2, 4), (4, 6), (6, 9), (9, 11), (11, 12)]
     with pytest.raises(RuntimeError, match=r"a single sample holds more tokens \(16 here\) than the budget of 15"):
