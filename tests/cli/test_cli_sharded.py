@@ -21,6 +21,7 @@ def small_llama(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow  # the README's per-rank estimate commands print the same figures in every make test
 def test_a_config_file_at_two_ranks_writes_the_per_rank_figures_and_names_what_reaches_a_micro_batch(
     small_llama, tmp_path
 ):

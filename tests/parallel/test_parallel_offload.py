@@ -72,6 +72,7 @@ def test_a_later_size_costs_one_steady_step_in_the_same_child(traced):
     assert not accelerator.is_registered()  # and this process never had the fake accelerator
 
 
+@pytest.mark.slow  # a child process of its own; offload's answers stay in make test
 def test_an_error_in_the_child_is_raised_here_as_it_was():
     one_block = functools.partial(TinyTransformer, num_layers=1)  # nothing repeated to checkpoint
     parallelism = Parallelism(world_size=2, cpu_offload=True, activation_checkpointing="full")

@@ -70,6 +70,7 @@ class _UncachedAdamW(torch.optim.AdamW):
         return result
 
 
+@pytest.mark.slow  # a second trace of a whole step; the per-rank peaks stay in make test
 def test_the_first_steps_sharding_propagation_is_not_in_the_peak(monkeypatch) -> None:
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 

@@ -79,6 +79,7 @@ def _exit_codes(ranks: list[subprocess.Popen]) -> list[int]:
             process.kill()
 
 
+@pytest.mark.slow  # two processes and a timeout; the agreement itself stays in make test
 def test_a_rank_that_dies_makes_the_other_fail_clearly_within_the_timeout(tmp_path):
     out = tmp_path / "dead.json"
     codes = _exit_codes(_start_two_ranks("ddp_dead_rank.py", str(out)))

@@ -31,6 +31,7 @@ def test_generation_fits_a_smaller_batch_than_a_forward_pass_because_of_the_kv_c
     assert all(t.phase_peak_bytes.keys() == {"forward"} for t in generate.trials if t.fits)  # no backward, no step
 
 
+@pytest.mark.slow  # a byte-exact trace of generation; generation's probes stay in make test
 def test_the_trace_sees_the_kv_cache_to_the_byte():
     # A short prompt and 16 new tokens: the cache sets the edge (83 here; 126 with one new token),
     # at half the trace's work of 32 tokens after a prompt of 8.
