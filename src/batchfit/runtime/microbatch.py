@@ -150,14 +150,17 @@ def default_tokens_per_sample(batch: Any) -> torch.Tensor:
     of the sequence dimension of the first tensor with one."""
     from collections.abc import Mapping
 
-    from batchfit.step.batching import tensor_leaves
-
     if isinstance(batch, Mapping) and "attention_mask" in batch:
         return batch["attention_mask"].sum(dim=1)
-    sequence = next((t for t in tensor_leaves(batch) if t.dim() >= 2), None)
-    if sequence is None:
+    return widths_of(batch)
+
+
+def widths_of(batch: Any) -> torch.Tensor:
+    """``sequence_widths(batch)``, refused in one line for a batch without sequences."""
+    widths = sequence_widths(batch)
+    if widths is None:
         raise InputError("max_tokens needs sequences: give tokens_per_sample(batch) -> tokens of each sample")
-    return torch.full((sequence.shape[0],), sequence.shape[1])
+    return widths
 
 
 class Microbatcher:
@@ -442,10 +445,7 @@ class Microbatcher:
         position (``sequence_widths``); a micro-batch holds its rows at the widest of them."""
         if self._own_tokens:
             return [int(count) for count in self.tokens_per_sample(batch)]
-        widths = sequence_widths(batch)
-        if widths is None:
-            raise InputError("max_tokens needs sequences: give tokens_per_sample(batch) -> tokens of each sample")
-        return [int(width) for width in widths]
+        return [int(width) for width in widths_of(batch)]
 
     def _check_token_budget(self, batch: Any, size: int, agreeing: bool) -> None:
         """A sample longer than the budget cannot be split: every rank learns it before any raises."""

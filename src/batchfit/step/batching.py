@@ -197,6 +197,15 @@ def pad_sequences(batch: Any, length: int, *, value: int | float = 0) -> Any:
     return map_tensors(lambda tensor: pad(tensor, value), batch)
 
 
+def sequence_tensor(batch: Any) -> torch.Tensor | None:
+    """The tensor whose dim 1 is ``batch``'s sequence dimension: its first tensor of two or more dimensions.
+
+    >>> sequence_tensor((torch.zeros(2), torch.zeros(2, 7))).shape
+    torch.Size([2, 7])
+    """
+    return next((leaf for leaf in tensor_leaves(batch) if leaf.dim() >= 2), None)
+
+
 def sequence_widths(batch: Any) -> torch.Tensor | None:
     """Per row, the positions a padded batch must keep for it: up to its last attended position (a right-padded
     row's length) where a mapping batch has a 2-D ``attention_mask``, else the whole sequence dimension (dim 1
@@ -209,7 +218,7 @@ def sequence_widths(batch: Any) -> torch.Tensor | None:
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
         return ((mask != 0) * positions).amax(dim=1)
-    sequence = next((leaf for leaf in tensor_leaves(batch) if leaf.dim() >= 2), None)
+    sequence = sequence_tensor(batch)
     return None if sequence is None else torch.full((sequence.shape[0],), sequence.shape[1])
 
 
@@ -221,7 +230,7 @@ def cut_sequences(batch: Any, width: int) -> Any:
     tensor([[0, 1],
             [4, 5]])
     """
-    sequence = next((leaf for leaf in tensor_leaves(batch) if leaf.dim() >= 2), None)
+    sequence = sequence_tensor(batch)
     if sequence is None or width >= sequence.shape[1]:
         return batch
     longest = sequence.shape[1]

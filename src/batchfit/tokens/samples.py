@@ -22,7 +22,7 @@ from batchfit.errors import InputError
 from batchfit.step.batching import cut_sequences
 from batchfit.step.batching import map_tensors
 from batchfit.step.batching import pad_sequences
-from batchfit.step.batching import tensor_leaves
+from batchfit.step.batching import sequence_tensor
 
 MASK_KEYS = ("attention_mask",)  # a packed batch has none: the sequences' bounds are in position_ids
 
@@ -33,7 +33,7 @@ def sequence_length(sample: Any) -> int:
     >>> sequence_length({"input_ids": torch.zeros(2, 128, dtype=torch.long)})
     128
     """
-    sequence = next((leaf for leaf in tensor_leaves(sample) if leaf.dim() >= 2), None)
+    sequence = sequence_tensor(sample)
     if sequence is None:
         raise InputError(
             "a token budget needs sequences: give a sample whose tensors are (batch, seq_len, ...), such as "
