@@ -3,7 +3,7 @@
 The search is the library's one search loop (``search_workload``) over one rank on a
 ``TraceDevice``, with the ``PhaseLines`` strategy: each phase's peak is a line in the micro-batch,
 so the lines through the traces at 1 and 2 predict the edge, which is then confirmed by tracing it
-and the size above it (see ``batchfit.parallel.phase_lines``). The answer is always a traced size
+and the size above it (see ``batchfit.search.phase_lines``). The answer is always a traced size
 that fits next to a traced size that does not.
 
 All sizes are traced on one ``RankSession``: the model is built and sharded once, and every size
@@ -25,10 +25,10 @@ from batchfit.parallel.models import ModelSpec
 from batchfit.parallel.one_rank import ONE_RANK
 from batchfit.parallel.one_rank import TOKEN_BYTES
 from batchfit.parallel.one_rank import RankBackend
-from batchfit.parallel.phase_lines import PhaseLines
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import RankSession
 from batchfit.parallel.trace import ShardedEstimate
+from batchfit.search.phase_lines import PhaseLines
 from batchfit.search.runner import search_workload
 
 

@@ -41,7 +41,6 @@ from batchfit.errors import ModelDoesNotFitError
 from batchfit.errors import NoBatchFitsError
 from batchfit.parallel.models import ModelSpec
 from batchfit.parallel.models import model_builder
-from batchfit.parallel.phase_lines import PhaseLines
 from batchfit.parallel.settings import REAL_OFFLOAD_REFUSAL
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import OptimizerFactory
@@ -52,6 +51,7 @@ from batchfit.parallel.trace import next_token_loss
 from batchfit.parallel.trace import vocab_size_of
 from batchfit.parallel.world import fake_world
 from batchfit.parallel.wrap import shard_model
+from batchfit.search.phase_lines import PhaseLines
 from batchfit.search.prober import Prober
 from batchfit.search.result import SearchResult
 from batchfit.search.runner import probe_workload

@@ -6,15 +6,22 @@ sequences match give every line, kinks included: at small B the backward peak ma
 gradients and at large B by activations, which no single line through small trials sees. Where
 a device records no per-op timeline, one line per phase (forward, backward, optimizer) stands
 in; with a single trial, a conservative line treats everything above the held state as
-growing with the batch.
+growing with the batch. On a trace, where a size past the memory still reports its peak, the
+lines through any two trials (``MemoryModel.between``) aim at the edge from both sides.
+
+This module is where the search predicts an edge: ``MemoryModel`` from the trials' peaks, and
+``StorageLines`` from every storage of two trials, where the device logs them (the live bytes
+after every op, rounded and replayed through the caching allocator as the trials' own were).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -35,6 +42,11 @@ def _least_squares_slope(points: Sequence[tuple[int, int]]) -> float:
 class MemoryModel:
     """Lines ``bytes(B) = anchor_bytes + slope_bytes * (B - anchor_batch_size)``; the peak is their max.
 
+    ``kind`` says what the lines were drawn through: ``"timeline"`` (one line per op, two trials whose ops
+    match), ``"phases"`` (one per phase, least squares over the fitted trials), ``"conservative"`` (one
+    trial: everything above the held bytes grows with the batch), or ``"between"`` (one per phase through
+    two given trials, exact; see ``between``).
+
     >>> trials = [Trial(1, True, 110, 0.1, phase_peak_bytes={"backward": 110}),
     ...           Trial(3, True, 130, 0.1, phase_peak_bytes={"backward": 130})]
     >>> model = MemoryModel.fit(trials)
@@ -54,6 +66,26 @@ class MemoryModel:
         if not fitted:
             return None
         return (cls._from_timelines(fitted) or cls._from_phases(fitted)).with_reserved_line(fitted)
+
+    @classmethod
+    def between(cls, low: Trial, high: Trial) -> MemoryModel | None:
+        """The lines through two trials, one per phase both report (the step's peak where either reports no
+        phases), anchored at ``low``; ``high`` may have run past the memory, where the device still knows its
+        peak (a trace on fake tensors). Slopes are exact fractions, so the edge is exact to the byte. ``None``
+        where either trial has no peak or both are the same size.
+
+        >>> model = MemoryModel.between(Trial(1, True, 300, 0.1), Trial(4, False, 1300, 0.1))
+        >>> model.kind, model.max_batch_size(1000), model.max_batch_size(1300), model.predict_peak_bytes(3)
+        ('between', 3, 4, 966.6666666666666)
+        """
+        low_points, high_points = _phase_points(low), _phase_points(high)
+        phases = [phase for phase in low_points if phase in high_points]
+        if not phases or low.batch_size == high.batch_size:
+            return None
+        run = high.batch_size - low.batch_size
+        slopes = [Fraction(high_points[phase] - low_points[phase], run) for phase in phases]
+        tops = [low_points[phase] for phase in phases]
+        return cls(low.batch_size, np.array(tops, dtype=object), np.array(slopes, dtype=object), "between")
 
     def with_reserved_line(self, fitted: list[Trial]) -> MemoryModel:
         """One more line, through the caching allocator's reserved peaks of the smallest and the largest fitted
@@ -110,11 +142,37 @@ class MemoryModel:
 
     def max_batch_size(self, limit_bytes: int) -> int | None:
         """The largest batch whose predicted peak stays within ``limit_bytes`` (``None``: no line rises)."""
-        rising = self.slope_bytes > 0
-        if not rising.any():
+        line = self._binding(limit_bytes)
+        if line is None:
+            return None
+        return self.anchor_batch_size + math.floor((limit_bytes - self.anchor_bytes[line]) / self.slope_bytes[line])
+
+    def binding_line(self, limit_bytes: int) -> tuple[float, float] | None:
+        """The line that reaches ``limit_bytes`` first, which decides the edge: ``(bytes at batch 0, bytes per
+        sample)`` (``None``: no line rises).
+
+        >>> MemoryModel(4, np.array([500.0, 900.0]), np.array([100.0, 10.0]), "phases").binding_line(1000)
+        (100.0, 100.0)
+        """
+        line = self._binding(limit_bytes)
+        if line is None:
+            return None
+        slope = float(self.slope_bytes[line])
+        return float(self.anchor_bytes[line]) - slope * self.anchor_batch_size, slope
+
+    def _binding(self, limit_bytes: int) -> int | None:
+        rising = np.flatnonzero(self.slope_bytes > 0)
+        if not len(rising):
             return None
         room = (limit_bytes - self.anchor_bytes[rising]) / self.slope_bytes[rising]
-        return self.anchor_batch_size + int(np.floor(room.min()))
+        return int(rising[int(np.argmin(room))])
+
+
+def _phase_points(trial: Trial) -> dict[str, int]:
+    """A trial's peak by phase, or its step's peak alone where it reports no phases (nothing without a peak)."""
+    if trial.phase_peak_bytes:
+        return dict(trial.phase_peak_bytes)
+    return {} if trial.peak_bytes is None else {"step": trial.peak_bytes}
 
 
 @dataclass(frozen=True)

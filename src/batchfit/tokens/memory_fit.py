@@ -23,8 +23,6 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import numpy as np
-
 from batchfit.search.memory_model import MemoryModel
 from batchfit.search.trial import Trial
 
@@ -51,13 +49,8 @@ class LengthLine:
         model = MemoryModel.fit(list(trials))
         if model is None or model.kind == "conservative":
             return None
-        rising = np.flatnonzero(model.slope_bytes > 0)
-        if not len(rising):
-            return None
-        room = (limit_bytes - model.anchor_bytes[rising]) / model.slope_bytes[rising]
-        line = rising[int(np.argmin(room))]
-        slope = float(model.slope_bytes[line])
-        return cls(seq_len, float(model.anchor_bytes[line]) - slope * model.anchor_batch_size, slope)
+        line = model.binding_line(limit_bytes)
+        return None if line is None else cls(seq_len, *line)
 
 
 @dataclass(frozen=True)
