@@ -40,8 +40,6 @@ from batchfit.search.estimate import analytic_estimate
 from batchfit.search.estimate import estimate_memory
 from batchfit.search.memory_model import MemoryModel
 from batchfit.search.result import SearchResult
-from batchfit.search.runner import find_max_batch_size
-from batchfit.search.runner import probe_batch_size
 from batchfit.search.runner import search_workload
 from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import STRATEGIES
@@ -57,6 +55,8 @@ from batchfit.throughput import ThroughputResult
 from batchfit.throughput import find_optimal_batch_size
 from batchfit.tokens.budget import find_token_budget
 from batchfit.tokens.result import TokenBudget
+from batchfit.workflows.find import find_max_batch_size
+from batchfit.workflows.find import probe_batch_size
 
 __all__ = [
     "ACCELERATORS",

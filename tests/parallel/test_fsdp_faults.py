@@ -11,6 +11,7 @@ import torch
 
 import batchfit as bf
 from batchfit.cli.workloads import load_workload
+from batchfit.parallel.copied import ShardedCopy
 from batchfit.parallel.models import TinyTransformer
 from batchfit.parallel.one_rank import RankProber
 from batchfit.parallel.one_rank import RankWorkload
@@ -86,7 +87,7 @@ def _faulty_workload(world_size: int):
     model.layers[0].register_forward_hook(in_backward)
     sample = torch.randint(0, VOCAB_SIZE, (2, SEQ_LEN))
     work = bf.Workload(model, sample, loss_fn=_loss, optimizer=FaultyAdamW(model.parameters()))
-    return Parallelism(world_size=world_size).one_rank(work)
+    return ShardedCopy(work, Parallelism(world_size=world_size))
 
 
 def _fresh_trial(work, batch_size: int) -> bf.Trial:
@@ -190,7 +191,7 @@ def test_the_cli_find_at_two_ranks_past_the_edge_answers_what_fresh_trials_decid
     result = invoke(*args, "--max-batch-size", "4096", "--json", "out.json")
     assert result.exit_code == 0, result.output
     found = json.loads((tmp_path / "out.json").read_text())
-    work = Parallelism(world_size=2).one_rank(load_workload("gpt-tiny"))
+    work = ShardedCopy(load_workload("gpt-tiny"), Parallelism(world_size=2))
     sizes, answer, fresh = _replayed(work, 4096, "sim:16MiB")
     assert [t["batch_size"] for t in found["trials"]] == sizes and found["batch_size"] == answer > 1
     assert [_outcome(t) for t in found["trials"]] == [_outcome(fresh[size]) for size in sizes]
@@ -202,7 +203,7 @@ def test_evaluation_trials_of_a_sharded_model_follow_one_another():
     forward): the restore brings them back to the shards before it puts the state back."""
     model = TinyTransformer(vocab_size=VOCAB_SIZE)
     sample = torch.randint(0, VOCAB_SIZE, (2, SEQ_LEN))
-    work = Parallelism(world_size=2).one_rank(bf.Workload(model, sample, loss_fn=_loss, mode="eval"))
+    work = ShardedCopy(bf.Workload(model, sample, loss_fn=_loss, mode="eval"), Parallelism(world_size=2))
     with RankProber(work, bf.SimulatedDevice("64MiB"), steps=2, limit_bytes=None) as prober:
         trials = [prober.probe(4), prober.probe(8), prober.probe(4)]
     assert all(t.fits for t in trials) and trials[0].peak_bytes == trials[2].peak_bytes < trials[1].peak_bytes

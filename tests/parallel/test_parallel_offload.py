@@ -19,6 +19,7 @@ from batchfit.parallel import RankWorkload
 from batchfit.parallel import TinyTransformer
 from batchfit.parallel import accelerator
 from batchfit.parallel import trace_rank
+from batchfit.parallel.copied import ShardedCopy
 from batchfit.parallel.copied import WorkloadSession
 from batchfit.parallel.fit import largest_batch_size
 from batchfit.parallel.trace import RankSession
@@ -111,7 +112,7 @@ def test_offload_settings_outside_fsdp2_are_one_line(settings, error, message):
 def test_real_trials_refuse_offload_in_one_line():
     work = Workload(torch.nn.Linear(4, 4), torch.randn(2, 4), loss_fn=lambda out, batch: out.sum())
     with pytest.raises(InputError, match="host and device are one"):
-        OFFLOAD_2.one_rank(work)
+        ShardedCopy(work, OFFLOAD_2)
     with pytest.raises(InputError, match="host and device are one"):
         RankWorkload(TinyTransformer, 16, OFFLOAD_2)
     with pytest.raises(InputError, match="host and device are one"):

@@ -46,7 +46,18 @@ ALLOWED: dict[str, set[str]] = {
         "workflows",
         "integrations",
     },
-    "__init__": {"step", "devices", "search", "runtime", "planning", "sweep", "parallel", "tokens", "throughput"},
+    "__init__": {
+        "step",
+        "devices",
+        "search",
+        "runtime",
+        "planning",
+        "sweep",
+        "parallel",
+        "tokens",
+        "throughput",
+        "workflows",
+    },
 }
 # Deprecated aliases left where a module was, for one release: each only hands its names on from the module's new
 # place (with a DeprecationWarning), so it may reach the layer the module moved up to. (alias, layer) -> what moved.
@@ -63,6 +74,7 @@ HEAVY = [
     "typer",
     "batchfit.cli",
     "batchfit.step.builtin_workloads",
+    "batchfit.parallel",  # the FSDP2 layer loads when a Parallelism is made, not with bf.find_max_batch_size
 ]
 PUBLIC = [
     "ACCELERATORS",
@@ -195,28 +207,10 @@ def test_the_shared_file_writes_import_nothing_of_batchfit_but_its_errors():
     assert reached <= {"batchfit.errors"}
 
 
-# Function-local imports allowed to close a circle: (importer, imported) -> why no module-level structure can do
-# without it. Each is a public method that builds an object of a module above its own class's.
-LATE_IMPORTS = {
-    ("batchfit.parallel.settings", "batchfit.parallel.copied"): (
-        "Parallelism.one_rank(workload) builds a ShardedCopy, which traces in a RankSession, which takes and "
-        "defaults a Parallelism: the search calls one_rank on the user's Parallelism, as it may not import parallel"
-    ),
-}
-
-
 def module_of(path: Path, root: Path = PACKAGE) -> str:
     """``batchfit.devices.units`` for ``devices/units.py``; a package is its ``__init__.py``."""
     parts = ("batchfit", *path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _in_function(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            return True
-    return False
 
 
 def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules: set[str]) -> set[str]:
@@ -234,7 +228,7 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, m
 
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     """Every batchfit module and the batchfit modules it imports when it runs: at module level or inside a
-    function, never under ``if TYPE_CHECKING:``, and not the ``LATE_IMPORTS``."""
+    function, never under ``if TYPE_CHECKING:``."""
     paths = {module_of(path, root): path for path in sorted(root.rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for module, path in paths.items():
@@ -243,9 +237,7 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
         graph[module] = set()
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and not _type_checking_only(node, parents):
-                targets = _targets(node, module, path.name == "__init__.py", set(paths)) - {module}
-                late = _in_function(node, parents)
-                graph[module] |= {target for target in targets if not (late and (module, target) in LATE_IMPORTS)}
+                graph[module] |= _targets(node, module, path.name == "__init__.py", set(paths)) - {module}
     return graph
 
 
@@ -281,7 +273,7 @@ def test_no_import_circles():
     """No two batchfit modules import each other, directly or around a circle. An import counts where it runs:
     at module level or inside a function (a function-local import still ties the two modules; moving an import
     into a function to dodge a circle hides it, and is caught), but not under ``if TYPE_CHECKING:`` (it never
-    runs). The one exception is named in ``LATE_IMPORTS`` with its reason. ``from a import b`` is an arrow to
+    runs), with no exception. ``from a import b`` is an arrow to
     the module ``a.b`` where ``b`` is one, else to package ``a``'s ``__init__``; relative imports are resolved."""
     found = circles(import_graph())
     file_of = {module_of(path): path.relative_to(PACKAGE.parent) for path in PACKAGE.rglob("*.py")}

@@ -6,24 +6,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
 import batchfit as bf
 from batchfit.cli.app import app
 from batchfit.cli.workloads import load_workload
+from batchfit.parallel.copied import ShardedCopy
 from batchfit.parallel.settings import Parallelism
 from batchfit.planning.plan import plan_batch
 from batchfit.search.runner import probe_workload
 from batchfit.search.runner import search_workload
 from batchfit.search.settings import SearchSettings
-from batchfit.workflows import Progress
-from batchfit.workflows import Route
-from batchfit.workflows import accumulating
-from batchfit.workflows import estimate_own_rank
-from batchfit.workflows import plan_sharded
-from batchfit.workflows import plan_workload
-from batchfit.workflows import route_workload
+from batchfit.workflows.progress import Progress
+from batchfit.workflows.rank_workloads import accumulating
+from batchfit.workflows.routing import Route
+from batchfit.workflows.routing import route_workload
+from batchfit.workflows.sharded_estimate import estimate_own_rank
+from batchfit.workflows.sharded_plan import plan_sharded
+from batchfit.workflows.workload_plan import plan_workload
 
 
 class Recorded(Progress):
@@ -96,7 +98,7 @@ def test_estimate_of_one_rank_at_a_batch_size_answers_at_that_size(tmp_path, mon
     result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     document = json.loads((tmp_path / "e.json").read_text())
-    work = Parallelism(world_size=2).one_rank(load_workload("gpt-tiny"))
+    work = ShardedCopy(load_workload("gpt-tiny"), Parallelism(world_size=2))
     at = probe_workload(work, 8, device=bf.TraceDevice("64MiB"))
     assert (document["batch_size"], document["fits"], document["peak_bytes"]) == (8, True, at.peak_bytes)
     assert document["largest_batch_size"] > 8 and document["estimate"]["peak_bytes"] == at.peak_bytes
@@ -125,3 +127,15 @@ def test_a_library_call_makes_the_sharded_plan_the_command_writes(tmp_path, monk
     assert found.to_dict() == json.loads((tmp_path / "plan.json").read_text())
     assert all(line in result.output.replace("\n", " ") for line in progress.lines[:2])
     assert progress.steps[:2] == [f"Tracing one rank, activation checkpointing {c}" for c in ("none", "full")]
+
+
+def test_find_takes_one_rank_of_a_parallelism_and_refuses_anything_else_in_one_line() -> None:
+    model = torch.nn.Linear(16, 16)
+    batch = torch.randn(4, 16)
+    options = {"loss_fn": lambda out, batch: out.square().mean(), "optimizer": torch.optim.SGD(model.parameters())}
+    with pytest.raises(bf.InputTypeError, match="parallelism must be a batchfit.parallel.Parallelism"):
+        bf.find_max_batch_size(model, batch, device="sim:1MiB", parallelism={"world_size": 2}, **options)
+    one = bf.probe_batch_size(model, batch, 4, device="sim:1MiB", **options)
+    ranked = bf.probe_batch_size(model, batch, 4, device="sim:1MiB", parallelism=Parallelism(world_size=4), **options)
+    assert one.fits and ranked.fits
+    assert ranked.held_bytes < one.held_bytes  # a quarter of the parameters, gradients and optimizer state per rank

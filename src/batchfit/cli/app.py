@@ -639,7 +639,7 @@ def _plan_sharded(
     json_path: Path | None,
     verify_on: str | None = None,
 ) -> None:
-    """The plan for a model built from its config (``batchfit.workflows.plan_sharded``), printed and written;
+    """The plan for a model built from its config (``batchfit.workflows.sharded_plan.plan_sharded``), printed and written;
     with ``verify_on`` (a device), each choice's answer confirmed by one rank's real trials."""
     if gpu is None:
         raise InputError("a sharded plan traces one rank on a GPU preset: give --gpu (e.g. --gpu h100-80gb)")

@@ -220,7 +220,7 @@ def search_and_plan(
 ) -> tuple[SearchResult, SearchResult, BatchPlan | None]:
     """``(search, one_step_search, plan)``: search one plain step; when the plan for
     ``global_batch_size`` accumulates, search again as an accumulation micro-step (no larger), whose
-    answer the plan then uses (``batchfit.workflows.plan_workload``, the command line's path too). Without a global batch the plan is ``None``. An inexact split is
+    answer the plan then uses (``batchfit.workflows.workload_plan.plan_workload``, the command line's path too). Without a global batch the plan is ``None``. An inexact split is
     treated as ``plan_global_batch`` says, before the caller sets anything; ``stacklevel`` places
     its warning as ``warnings.warn``'s does, counted from this function."""
     if global_batch_size is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -161,16 +160,6 @@ class Parallelism:
     def shard_ranks(self) -> int:
         """Over how many ranks the parameters, gradients and optimizer state are split."""
         return {"fsdp": self.world_size, "hybrid": self.gpus_per_node}.get(self.sharding, 1)
-
-    def one_rank(self, workload: Any) -> Any:
-        """``workload`` (a ``batchfit.Workload``) as this rank of this world: its model copied onto
-        ``meta`` and sharded, for real trials of one rank over torch's fake process group
-        (``find_max_batch_size(..., parallelism=...)``; see ``batchfit.parallel.copied``)."""
-        # Imported here, the layer's one late import (tests/project/test_layout.py, LATE_IMPORTS): a ShardedCopy traces
-        # in a RankSession, which takes and defaults a Parallelism, so copied.py sits above this module.
-        from batchfit.parallel.copied import ShardedCopy
-
-        return ShardedCopy(workload, self)
 
     def to_dict(self) -> dict[str, object]:
         """The settings, JSON-ready (dtypes by name).

@@ -1,61 +1,22 @@
 """The workflows: what the commands do, for a library user to call.
 
-A workflow strings the core together for one question: ``plan_workload`` (measure the micro-batch, plan, and
-measure again with the accumulation window's gradients held when the plan accumulates), ``plan_sharded`` (a
-model from its config per rank under FSDP2: the checkpointing choice, its advice, the held-gradient re-trace,
-one rank's real trials to verify), ``estimate_config`` and ``estimate_own_rank`` (per rank without the
-hardware), and ``route_workload`` (which of those paths a workload takes). Each returns a typed result and
-says what it finds through a ``Progress`` (silent by default). The command line parses its options, calls
-one workflow and prints; the integrations call the same workflows.
+A workflow strings the core together for one question, each in its own module:
+
+- ``find``: ``find_max_batch_size`` and ``probe_batch_size`` (``bf.find_max_batch_size``), a model and a sample
+  batch searched, as one rank of a world under FSDP2 where ``parallelism`` is given;
+- ``workload_plan``: ``plan_workload`` (measure the micro-batch, plan, and measure again with the accumulation
+  window's gradients held when the plan accumulates);
+- ``sharded_plan``: ``plan_sharded`` (a model from its config per rank under FSDP2: the checkpointing choice,
+  its advice, the held-gradient re-trace, one rank's real trials to verify);
+- ``sharded_estimate``: ``estimate_config`` and ``estimate_own_rank`` (per rank without the hardware);
+- ``sharded_tokens``: ``sharded_token_budget`` (token budgets per rank);
+- ``routing``: ``route_workload`` (which of those paths a workload takes).
+
+Each returns a typed result and says what it finds through a ``Progress`` (``progress``; silent by default).
+The command line parses its options, calls one workflow and prints; the integrations call the same workflows.
+Import each from its module (``from batchfit.workflows.sharded_plan import plan_sharded``): this package loads
+none of them, so ``import batchfit`` (which takes ``find``) does not load the FSDP2 layer.
 
 May import every layer below it (``step``, ``devices``, ``search``, ``planning``, ``runtime``, ``sweep``,
-``parallel``); never ``cli`` or ``integrations``.
+``parallel``, ``tokens``, ``throughput``); never ``cli`` or ``integrations``.
 """
-
-from __future__ import annotations
-
-from batchfit.workflows.progress import SILENT
-from batchfit.workflows.progress import Progress
-from batchfit.workflows.rank_workloads import accumulating
-from batchfit.workflows.rank_workloads import rank_workload
-from batchfit.workflows.routing import DEFAULT_SEQ_LEN
-from batchfit.workflows.routing import Route
-from batchfit.workflows.routing import from_config
-from batchfit.workflows.routing import route_workload
-from batchfit.workflows.sharded_estimate import ConfigEstimate
-from batchfit.workflows.sharded_estimate import RankEstimate
-from batchfit.workflows.sharded_estimate import estimate_config
-from batchfit.workflows.sharded_estimate import estimate_own_rank
-from batchfit.workflows.sharded_plan import ShardedPlan
-from batchfit.workflows.sharded_plan import plan_sharded
-from batchfit.workflows.sharded_tokens import ShardedTokenBudget
-from batchfit.workflows.sharded_tokens import sharded_token_budget
-from batchfit.workflows.verdict import PlanVerification
-from batchfit.workflows.verification import verification_device
-from batchfit.workflows.workload_plan import WorkloadPlan
-from batchfit.workflows.workload_plan import measure_micro_batch
-from batchfit.workflows.workload_plan import plan_workload
-
-__all__ = [
-    "DEFAULT_SEQ_LEN",
-    "SILENT",
-    "ConfigEstimate",
-    "PlanVerification",
-    "Progress",
-    "RankEstimate",
-    "Route",
-    "ShardedPlan",
-    "ShardedTokenBudget",
-    "WorkloadPlan",
-    "accumulating",
-    "estimate_config",
-    "estimate_own_rank",
-    "from_config",
-    "measure_micro_batch",
-    "plan_sharded",
-    "plan_workload",
-    "rank_workload",
-    "route_workload",
-    "sharded_token_budget",
-    "verification_device",
-]

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from batchfit.errors import InputError
+from batchfit.parallel.copied import ShardedCopy
+from batchfit.parallel.one_rank import RankWorkload
 from batchfit.parallel.settings import Parallelism
 from batchfit.workflows.routing import DEFAULT_SEQ_LEN
 from batchfit.workflows.routing import from_config
@@ -25,8 +27,6 @@ def rank_workload(
     """What rank ``rank`` of the one parallelism in ``choices`` trains: a ``RankWorkload`` of a model from its
     config (``workload`` an LLM preset or a config.json), else the ``ShardedCopy`` of ``load()``'s workload;
     with the options for the JSON (the parallelism's among them)."""
-    from batchfit.parallel.one_rank import RankWorkload
-
     if len(choices) != 1:
         raise InputError(
             "one-rank trials run one activation-checkpointing choice at a time: give none, selective or full"
@@ -37,7 +37,7 @@ def rank_workload(
         seq_len = seq_len or DEFAULT_SEQ_LEN
         return RankWorkload(workload, seq_len, parallelism), {"seq_len": seq_len, "parallelism": parallelism.to_dict()}
     work, options = load()
-    return parallelism.one_rank(work), {**options, "parallelism": parallelism.to_dict()}
+    return ShardedCopy(work, parallelism), {**options, "parallelism": parallelism.to_dict()}
 
 
 def accumulating(work: Any) -> Any:
