@@ -37,6 +37,7 @@ from batchfit.step.batching import sequence_widths
 from batchfit.step.batching import slice_batch
 from batchfit.step.batching import tensor_leaves
 from batchfit.step.compiled import runnable
+from batchfit.step.state import reset_sharded_iteration
 from batchfit.step.workload import Workload
 from batchfit.step.workload import amp_dtype_of
 
@@ -556,6 +557,9 @@ class Microbatcher:
 
     def _clean_up(self, why: str) -> None:
         drain_autograd_queue()  # a backward cut short by the OOM keeps its activations queued (CPU devices)
+        # FSDP2 left mid-iteration (its parameters gathered, its post-backward callback marked queued) never
+        # reduce-scatters again: the optimizer would step shards without gradients, so bring it back to rest.
+        reset_sharded_iteration(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         self._undo_scaler()
         self.device.collect()
