@@ -301,3 +301,25 @@ def test_a_model_from_its_config_is_traced_per_rank_and_proved_by_one_ranks_real
     assert document["parallelism"]["world_size"] == 4 and document["trials"] == 0  # traced only, no --verify
     refused = CliRunner().invoke(app, [*args, "--forward"], env={"COLUMNS": "200"})
     assert refused.exit_code == 2 and "drop --forward" in refused.output
+
+
+@pytest.mark.xdist_group("sharded_tokens")  # needs no module budget: any worker may run it
+def test_sharded_token_budgets_hold_the_windows_gradient_shards_as_accumulation_does():
+    """Per rank, a later micro-batch of an accumulation window runs with the window's reduced gradient shards held:
+    the budget traced within the capacity less their bytes is what one rank's real trials of a later micro-batch
+    find, and the whole step's budget runs out of memory there."""
+    from batchfit.parallel.one_rank import probe_rank_batch_size
+    from batchfit.parallel.settings import Parallelism
+    from batchfit.workflows.sharded_tokens import sharded_token_budget
+
+    config, parallelism = "examples/llama-tiny.json", Parallelism(world_size=2)
+    found = sharded_token_budget(config, [8], "3MiB", parallelism, verify=True)
+    bucket = found.buckets[0]
+    whole_step = bucket.whole_step.batch_size
+    assert found.accumulating and bucket.held_gradient_bytes > 0 and 0 < bucket.traced.batch_size < whole_step
+    assert tried(bucket.verified) == [(bucket.batch_size, True), (bucket.batch_size + 1, False)]  # the trace, exact
+    later = probe_rank_batch_size(config, 8, whole_step, parallelism=parallelism, device="sim:3MiB", accumulating=True)
+    assert not later.fits
+    plain = sharded_token_budget(config, [8], "3MiB", parallelism, accumulating=False).buckets[0]
+    assert (plain.batch_size, plain.whole_step, plain.held_gradient_bytes) == (whole_step, None, 0)
+    assert bucket.traces == plain.traces + bucket.traced.traces  # the whole step's trace, then the held one

@@ -101,7 +101,7 @@ def tokens(
                 "a model from its config is traced per rank on padded token ids: drop --forward, --packed, --device "
                 "and --amp (--param-dtype sets its precision), or give a workload of your own"
             )
-        per_rank(workload, lengths, gpu, parallel.choices(activation_checkpointing), verify, json_path)
+        per_rank(workload, lengths, gpu, parallel.choices(activation_checkpointing), verify, accumulating, json_path)
         return
     if parallel.asked or gpu or verify:
         raise InputError(
@@ -130,22 +130,35 @@ def tokens(
 
 
 def per_rank(
-    workload: str, lengths: list[int], gpu: str | None, choices: list[Parallelism], verify: bool, json_path: Path | None
+    workload: str,
+    lengths: list[int],
+    gpu: str | None,
+    choices: list[Parallelism],
+    verify: bool,
+    accumulating: bool,
+    json_path: Path | None,
 ) -> None:
-    """A model from its config: each bucket traced per rank, and with ``verify`` proved by one rank's real trials."""
+    """A model from its config: each bucket traced per rank (as a later micro-batch of an accumulation window where
+    ``accumulating``), and with ``verify`` proved by one rank's real trials."""
     if gpu is None:
         raise InputError("a model from its config is traced per rank: give --gpu h100-80gb (a preset) or --gpu 80GiB")
     if len(choices) != 1:
         raise InputError("token budgets trace one activation-checkpointing choice at a time: none, selective or full")
     parallelism = choices[0]
     console.print(f"batchfit tokens: [bold]{escape(workload)}[/], one rank of {parallelism.world_size} under FSDP2")
-    budget = sharded_token_budget(workload, lengths, gpu, parallelism, verify=verify, progress=ConsoleProgress())
+    if accumulating:
+        console.print("Training measured as a later micro-batch of an accumulation window (its gradient shards held).")
+    budget = sharded_token_budget(
+        workload, lengths, gpu, parallelism, verify=verify, accumulating=accumulating, progress=ConsoleProgress()
+    )
     table = Table(title=f"Per rank on {escape(gpu)}: padded batches")
-    for column in ("longest seq", "batch", "tokens", "traced", "traces", "real trials"):
+    columns = ("longest seq", "batch", "tokens", "traced", *(("whole step",) if accumulating else ()), "traces")
+    for column in (*columns, "real trials"):
         table.add_column(column, justify="right")
     for bucket in budget.buckets:
         trials = "-" if bucket.verified is None else str(len(bucket.verified.trials))
-        cells = (bucket.seq_len, bucket.batch_size, bucket.tokens, bucket.traced.batch_size, bucket.traced.traces)
+        whole = () if bucket.whole_step is None else (bucket.whole_step.batch_size,)
+        cells = (bucket.seq_len, bucket.batch_size, bucket.tokens, bucket.traced.batch_size, *whole, bucket.traces)
         table.add_row(*map(str, cells), trials)
     console.print(table)
     print_lines(budget.lines)

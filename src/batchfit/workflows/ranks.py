@@ -1,8 +1,12 @@
-"""Words and figures about one rank: the capacity a rank has, and its parallelism in one phrase."""
+"""Words and figures about one rank: the capacity a rank has, its parallelism in one phrase, and its largest
+micro-batch with an accumulation window's gradients held."""
 
 from __future__ import annotations
 
 from batchfit.devices.units import format_bytes
+from batchfit.parallel.fit import LargestBatch
+from batchfit.parallel.fit import largest_batch_size
+from batchfit.parallel.models import ModelSpec
 from batchfit.parallel.settings import Parallelism
 from batchfit.parallel.trace import ShardedEstimate
 
@@ -59,3 +63,21 @@ def host_line(estimate: ShardedEstimate) -> str:
         f"Host memory per rank (CPU offload): {format_bytes(estimate.host_peak_bytes)} at its peak ({listed}); "
         f"{format_bytes(per_node * estimate.host_peak_bytes)} for a node of {per_node} ranks, pinned by FSDP2 by default."
     )
+
+
+def held_gradient_bytes(largest: LargestBatch) -> int:
+    """The bytes of the reduced gradient shards a rank keeps from one micro-batch of an accumulation window to the
+    next (the trace's ``state_bytes["gradients"]``; 0 with CPU offload, which holds them on the host)."""
+    return largest.estimate.state_bytes.get("gradients", 0)
+
+
+def traced_with_gradients_held(
+    workload: ModelSpec, seq_len: int, capacity_bytes: int, parallelism: Parallelism, largest: LargestBatch
+) -> LargestBatch:
+    """The largest micro-batch per rank as a later micro-batch of an accumulation window: FSDP2 keeps the window's
+    gradient shards through it, so it is traced again within the capacity less their bytes (``largest``, the
+    trace of a whole step, where there are none to hold)."""
+    gradients = held_gradient_bytes(largest)
+    if gradients == 0 or largest.batch_size == 0:
+        return largest
+    return largest_batch_size(workload, seq_len, capacity_bytes - gradients, parallelism=parallelism)

@@ -25,7 +25,9 @@ from batchfit.workflows.progress import Progress
 from batchfit.workflows.ranks import NOT_TRACED
 from batchfit.workflows.ranks import capacity_of
 from batchfit.workflows.ranks import describe_parallelism
+from batchfit.workflows.ranks import held_gradient_bytes
 from batchfit.workflows.ranks import host_line
+from batchfit.workflows.ranks import traced_with_gradients_held
 from batchfit.workflows.verdict import PlanVerification
 from batchfit.workflows.verification import Found
 from batchfit.workflows.verification import verify_accumulating
@@ -140,12 +142,12 @@ def with_gradients_held(
     """The largest micro-batch per rank when the accumulation window's gradients are alive through
     a later micro-batch: FSDP2 keeps each rank's reduced gradient shards from one micro-batch to the
     next, so the capacity left is smaller by their bytes (``state_bytes["gradients"]`` of the trace)."""
-    gradients = largest.estimate.state_bytes.get("gradients", 0)
+    gradients = held_gradient_bytes(largest)
     if gradients == 0:  # CPU offload: the gradient shards are held on the host
         return largest.batch_size
     capacity_bytes, _ = capacity_of(capacity)
     with progress.working("Tracing again with the accumulation window's gradients held"):
-        held = largest_batch_size(workload, seq_len, capacity_bytes - gradients, parallelism=parallelism)
+        held = traced_with_gradients_held(workload, seq_len, capacity_bytes, parallelism, largest)
     progress.said(
         f"With the window's gradient shards held ({format_bytes(gradients)} per rank), the largest micro-batch "
         f"per rank is {held.batch_size}."

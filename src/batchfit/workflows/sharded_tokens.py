@@ -6,6 +6,11 @@ rank's real trials, as ``plan --verify`` proves a plan: the traced answer and th
 on one device holding one rank's shards (the search starting at the traced answer, so an exact trace costs two
 trials), and a traced answer that does not hold gives way to what the real trials find.
 
+Training is measured as a later micro-batch of an accumulation window (``accumulating``, the default), as every
+stack that takes a token budget accumulates over its micro-batches: FSDP2 keeps the window's reduced gradient
+shards through it, so each bucket is traced again within the capacity less their bytes, and verified by real
+trials of a later micro-batch.
+
 A model from its config trains on padded token ids: its budget is padded (rows x the bucket's longest).
 """
 
@@ -15,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from batchfit.devices.units import format_bytes
 from batchfit.parallel.fit import LargestBatch
 from batchfit.parallel.fit import largest_batch_size
 from batchfit.parallel.models import model_config
@@ -29,16 +35,28 @@ from batchfit.tokens.stacks import padded_lines
 from batchfit.workflows.progress import SILENT
 from batchfit.workflows.progress import Progress
 from batchfit.workflows.ranks import capacity_of
+from batchfit.workflows.ranks import held_gradient_bytes
+from batchfit.workflows.ranks import traced_with_gradients_held
 from batchfit.workflows.verification import verification_device
 
 
 @dataclass
 class RankBucket:
-    """One bucket, one rank: the traced answer (``traced``) and, when verified, one rank's real search from it."""
+    """One bucket, one rank: the traced answer (``traced``) and, when verified, one rank's real search from it.
+    Measured as a later micro-batch of an accumulation window, ``whole_step`` is the trace of a whole step it
+    started from and ``held_gradient_bytes`` the gradient shards the window holds (``None`` and 0 otherwise)."""
 
     seq_len: int
     traced: LargestBatch
     verified: SearchResult | None = None
+    whole_step: LargestBatch | None = None
+    held_gradient_bytes: int = 0
+
+    @property
+    def traces(self) -> int:
+        return self.traced.traces + (
+            0 if self.whole_step is None or self.whole_step is self.traced else self.whole_step.traces
+        )
 
     @property
     def batch_size(self) -> int:
@@ -56,7 +74,9 @@ class RankBucket:
             "batch_size": self.batch_size,
             "tokens": self.tokens,
             "traced_batch_size": self.traced.batch_size,
-            "traces": self.traced.traces,
+            "whole_step_batch_size": None if self.whole_step is None else self.whole_step.batch_size,
+            "held_gradient_bytes": self.held_gradient_bytes,
+            "traces": self.traces,
             "verified": None
             if verified is None
             else {
@@ -77,10 +97,11 @@ class ShardedTokenBudget:
     capacity_bytes: int
     parallelism: Parallelism
     buckets: list[RankBucket]
+    accumulating: bool = True
 
     @property
     def traces(self) -> int:
-        return sum(bucket.traced.traces for bucket in self.buckets)
+        return sum(bucket.traces for bucket in self.buckets)
 
     @property
     def trials(self) -> int:
@@ -102,6 +123,7 @@ class ShardedTokenBudget:
             "capacity": self.capacity,
             "capacity_bytes": self.capacity_bytes,
             "parallelism": self.parallelism.to_dict(),
+            "accumulating": self.accumulating,
             "lengths": [bucket.seq_len for bucket in self.buckets],
             "buckets": [bucket.to_dict() for bucket in self.buckets],
             "traces": self.traces,
@@ -117,11 +139,14 @@ def sharded_token_budget(
     parallelism: Parallelism,
     *,
     verify: bool = False,
+    accumulating: bool = True,
     progress: Progress = SILENT,
 ) -> ShardedTokenBudget:
     """Per bucket (each bucket's longest sequence in ``lengths``), the largest micro-batch per rank of
     ``parallelism`` for ``workload`` (an LLM preset or a config.json) within ``capacity``, traced; with
-    ``verify``, proved by one rank's real trials on a simulated device of that capacity.
+    ``verify``, proved by one rank's real trials on a simulated device of that capacity. ``accumulating``
+    (the default): as a later micro-batch of an accumulation window, the window's gradient shards held;
+    ``False``: each micro-batch a whole optimizer step.
 
     >>> found = sharded_token_budget("examples/llama-tiny.json", [32], "8MiB", Parallelism(world_size=4))
     >>> [(bucket.seq_len, bucket.batch_size > 0, bucket.verified) for bucket in found.buckets]
@@ -132,32 +157,48 @@ def sharded_token_budget(
     buckets = []
     for seq_len in bucket_lengths(list(lengths)):
         with progress.working(f"Tracing one rank of {parallelism.world_size} at {seq_len} tokens"):
-            traced = largest_batch_size(workload, seq_len, capacity_bytes, parallelism=parallelism)
-        bucket = RankBucket(seq_len, traced)
-        if verify and traced.batch_size > 0:
+            bucket = _traced(workload, seq_len, capacity_bytes, parallelism, accumulating)
+        if verify and bucket.traced.batch_size > 0:
             with progress.working(f"One rank's real trials at {seq_len} tokens"):
-                bucket.verified = _verified(workload, seq_len, parallelism, capacity_bytes, traced.batch_size)
+                bucket.verified = _verified(workload, seq_len, parallelism, capacity_bytes, bucket, accumulating)
         progress.said(_found(bucket, label))
         buckets.append(bucket)
-    return ShardedTokenBudget(workload, capacity, capacity_bytes, parallelism, buckets)
+    return ShardedTokenBudget(workload, capacity, capacity_bytes, parallelism, buckets, accumulating)
 
 
-def _verified(workload: str, seq_len: int, parallelism: Parallelism, capacity_bytes: int, guess: int) -> SearchResult:
-    """One rank's real search at ``seq_len``, starting at the traced answer ``guess``."""
-    work = RankWorkload(workload, seq_len, parallelism)
-    settings = SearchSettings(strategy=make_strategy("auto", guess=guess))
+def _traced(
+    workload: str, seq_len: int, capacity_bytes: int, parallelism: Parallelism, accumulating: bool
+) -> RankBucket:
+    """One bucket's trace: a whole step's, then (``accumulating``) a later micro-batch's, its gradients held."""
+    whole_step = largest_batch_size(workload, seq_len, capacity_bytes, parallelism=parallelism)
+    if not accumulating:
+        return RankBucket(seq_len, whole_step)
+    held = traced_with_gradients_held(workload, seq_len, capacity_bytes, parallelism, whole_step)
+    return RankBucket(seq_len, held, whole_step=whole_step, held_gradient_bytes=held_gradient_bytes(whole_step))
+
+
+def _verified(
+    workload: str, seq_len: int, parallelism: Parallelism, capacity_bytes: int, bucket: RankBucket, accumulating: bool
+) -> SearchResult:
+    """One rank's real search at ``seq_len`` (of a later micro-batch where ``accumulating``), starting at the traced
+    answer."""
+    work = RankWorkload(workload, seq_len, parallelism, accumulating=accumulating)
+    settings = SearchSettings(strategy=make_strategy("auto", guess=bucket.traced.batch_size))
     return search_workload(work, settings, device=verification_device("auto", capacity_bytes))
 
 
 def _found(bucket: RankBucket, label: str) -> str:
+    held = ""
+    if bucket.held_gradient_bytes:
+        held = f" with the window's gradient shards held ({format_bytes(bucket.held_gradient_bytes)})"
     said = (
-        f"{bucket.seq_len} tokens: {bucket.traced.batch_size} sequences per rank traced on {label} "
-        f"({bucket.traced.traces} traces)"
+        f"{bucket.seq_len} tokens: {bucket.traced.batch_size} sequences per rank traced on {label}{held} "
+        f"({bucket.traces} traces)"
     )
     if bucket.verified is not None:
-        held = "held" if bucket.verified.batch_size == bucket.traced.batch_size else "gave way"
+        verdict = "held" if bucket.verified.batch_size == bucket.traced.batch_size else "gave way"
         said += (
             f"; one rank's real trials: {bucket.verified.batch_size} fits, {bucket.verified.batch_size + 1} does not "
-            f"({len(bucket.verified.trials)} trials, the trace {held})"
+            f"({len(bucket.verified.trials)} trials, the trace {verdict})"
         )
     return said + "."
