@@ -323,3 +323,31 @@ def test_sharded_token_budgets_hold_the_windows_gradient_shards_as_accumulation_
     plain = sharded_token_budget(config, [8], "3MiB", parallelism, accumulating=False).buckets[0]
     assert (plain.batch_size, plain.whole_step, plain.held_gradient_bytes) == (whole_step, None, 0)
     assert bucket.traces == plain.traces + bucket.traced.traces  # the whole step's trace, then the held one
+
+
+@pytest.mark.xdist_group("too_long")  # needs no module budget: any worker may run it
+def test_a_bucket_too_long_for_one_sequence_is_reported_and_the_shorter_ones_still_measured(tmp_path):
+    work = lm_tiny(seq_len=128, layers=1)
+    found = token_budget_of_workload(work, [16, 64, 128], device="sim:7MiB", packed=False)
+    assert (found.lengths, found.too_long) == ([16, 64], [128])
+    assert tried_sizes(found.training.too_long[128]) == [(2, False), (1, False)]  # the lines' first size, then 1
+    for bucket in found.training.buckets:
+        confirmed(bucket.search)
+    assert found.trials == sum(len(b.search.trials) for b in found.training.buckets) + 2
+    tokens = min(bucket.tokens for bucket in found.training.buckets)  # the lines cover the lengths that fit
+    assert found.lines["fairseq"] == [f"--max-tokens {tokens} --max-tokens-valid {tokens}"]
+    document = found.to_dict()
+    assert document["too_long"] == [128] and document["training"]["too_long"][0]["seq_len"] == 128
+    with pytest.raises(bf.NoBatchFitsError, match="not even one sequence of 16 tokens fits in training") as error:
+        token_budget_of_workload(work, [16, 128], device="sim:5MiB", packed=False)
+    assert tried_sizes(error.value.trials) == [(2, False), (1, False)]
+    out = tmp_path / "tokens.json"
+    args = ["tokens", "lm-tiny", "--device", "sim:24MiB", "--buckets", "64,256,1024", "--no-packed", "--json", str(out)]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "Not even one sequence of 1024 tokens fits: cap sequences at 256 tokens here" in result.output
+    assert json.loads(out.read_text())["too_long"] == [1024]
+
+
+def tried_sizes(trials) -> list[tuple[int, bool]]:
+    return [(trial.batch_size, trial.fits) for trial in trials]

@@ -184,6 +184,12 @@ def print_mode(mode: ModeBudget) -> None:
             "-" if speed is None else f"{speed:,.0f}",
         )
     console.print(table)
+    if mode.too_long:
+        longest = mode.buckets[-1].seq_len
+        console.print(
+            f"Not even one sequence of {', '.join(map(str, mode.too_long))} tokens fits: cap sequences at {longest} "
+            "tokens here, or measure buckets between."
+        )
     packed = mode.packed
     if packed is not None and packed.search is not None:
         speed = packed.tokens_per_second

@@ -26,15 +26,19 @@ import torch
 
 from batchfit.devices.resolve import resolve_device
 from batchfit.errors import InputError
+from batchfit.errors import ModelDoesNotFitError
+from batchfit.errors import NoBatchFitsError
 from batchfit.search.runner import DeviceSpec
 from batchfit.search.runner import search_workload
 from batchfit.search.runner import usable_bytes
 from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import make_strategy
+from batchfit.search.trial import Trial
 from batchfit.step.workload import Workload
 from batchfit.tokens.lengths import bucket_lengths
 from batchfit.tokens.memory_fit import LengthLine
 from batchfit.tokens.memory_fit import TokenMemoryFit
+from batchfit.tokens.result import MODES
 from batchfit.tokens.result import BucketBudget
 from batchfit.tokens.result import ModeBudget
 from batchfit.tokens.result import PackedBudget
@@ -78,7 +82,9 @@ def token_budget_of_workload(
     window, the window's gradients held through forward and backward: every stack that batches by tokens
     accumulates over its micro-batches, and a budget measured without the gradients runs out of memory from
     the second micro-batch on; ``False`` measures steps that each make a whole optimizer step.
-    ``said(line)`` hears each answer as it is found.
+    A bucket where not even one sequence fits goes to each mode's ``too_long`` with its trials, and the rest are
+    measured; only when no bucket fits, ``NoBatchFitsError`` says so. ``said(line)`` hears each answer as it is
+    found.
     """
     start = time.perf_counter()
     lengths = bucket_lengths(list(lengths))
@@ -126,24 +132,42 @@ def _mode_budget(
 ) -> ModeBudget:
     work = workload if workload.mode == mode else dataclasses.replace(workload, mode=mode, accumulating=False)
     buckets: dict[int, BucketBudget] = {}
+    too_long: dict[int, list[Trial]] = {}
     lines: list[LengthLine] = []
     fit: TokenMemoryFit | None = None
     for seq_len in search_order(lengths):
         guess = fit.largest_batch_size(seq_len, limit) if fit is not None and len(fit.lengths) > 1 and limit else None
-        bucket = _search_bucket(work, seq_len, settings, device, guess)
+        try:
+            bucket = _search_bucket(work, seq_len, settings, device, guess)
+        except ModelDoesNotFitError:
+            raise  # the model's own state fills the memory: no length fits
+        except NoBatchFitsError as error:  # a bucket too long for even one sequence: the shorter ones still count
+            too_long[seq_len] = list(error.trials)
+            said(f"{mode}: not even one sequence of {seq_len} tokens fits ({len(error.trials)} trials)")
+            continue
         buckets[seq_len] = bucket
         said(f"{mode}: {bucket.batch_size} sequences of {seq_len} tokens fit ({len(bucket.search.trials)} trials)")
         line = LengthLine.through(seq_len, bucket.search.trials, limit) if limit else None
         if line is not None:
             lines = [*(known for known in lines if known.seq_len != seq_len), line]
             fit = TokenMemoryFit.of(lines)
+    fitting = [seq_len for seq_len in lengths if seq_len in buckets]
+    if not fitting:
+        shortest = min(too_long)
+        raise NoBatchFitsError(
+            f"not even one sequence of {shortest} tokens fits in {MODES[mode]}: use AMP, gradient checkpointing, "
+            "shorter buckets, a smaller model or more memory",
+            too_long[shortest],
+        )
     packed_budget = None
     if packed or (packed is None and refusal is None):
-        packed_budget = _search_packed(work, lengths, settings, device)
+        packed_budget = _search_packed(work, fitting, settings, device)
         said(f"{mode}: packed, {packed_budget.tokens} tokens fit ({packed_budget.trials} trials)")
     elif packed is None:
         packed_budget = PackedBudget(skipped=refusal)
-    return ModeBudget(mode, [buckets[seq_len] for seq_len in lengths], packed_budget, fit)
+    return ModeBudget(
+        mode, [buckets[seq_len] for seq_len in fitting], packed_budget, fit, dict(sorted(too_long.items()))
+    )
 
 
 def _search_bucket(

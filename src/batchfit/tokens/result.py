@@ -111,22 +111,30 @@ class PackedBudget:
 
 @dataclass
 class ModeBudget:
-    """The budgets of one mode: ``"train"`` (forward, backward, optimizer step) or ``"eval"`` (forward only)."""
+    """The budgets of one mode: ``"train"`` (forward, backward, optimizer step) or ``"eval"`` (forward only).
+    ``buckets`` are the lengths where a sequence fits; ``too_long`` maps each length where not even one does to
+    the trials that showed it."""
 
     mode: str
     buckets: list[BucketBudget]
     packed: PackedBudget | None
     fit: TokenMemoryFit | None
+    too_long: dict[int, list[Trial]] = field(default_factory=dict)
 
     @property
     def trials(self) -> int:
         packed = self.packed.trials if self.packed is not None else 0
-        return sum(len(bucket.search.trials) for bucket in self.buckets) + packed
+        failed = sum(len(trials) for trials in self.too_long.values())
+        return sum(len(bucket.search.trials) for bucket in self.buckets) + packed + failed
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
             "buckets": [bucket.to_dict() for bucket in self.buckets],
+            "too_long": [
+                {"seq_len": seq_len, "trials": [trial.to_dict() for trial in trials]}
+                for seq_len, trials in self.too_long.items()
+            ],
             "packed": self.packed.to_dict() if self.packed is not None else None,
             "fit": self.fit.to_dict() if self.fit is not None else None,
             "trials": self.trials,
@@ -162,7 +170,13 @@ class TokenBudget:
 
     @property
     def lengths(self) -> list[int]:
+        """The buckets' longest lengths where training fits a sequence (see ``too_long`` for the others)."""
         return [bucket.seq_len for bucket in self.training.buckets]
+
+    @property
+    def too_long(self) -> list[int]:
+        """The buckets' longest lengths where not even one sequence fits in training."""
+        return list(self.training.too_long)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the device, every bucket's answer and trials, the packed budgets, the fits and the lines."""
@@ -172,6 +186,7 @@ class TokenBudget:
             "capacity_bytes": self.capacity_bytes,
             "limit_bytes": self.limit_bytes,
             "lengths": self.lengths,
+            "too_long": self.too_long,
             "accumulating": self.accumulating,
             "training": self.training.to_dict(),
             "forward": self.forward.to_dict() if self.forward is not None else None,
