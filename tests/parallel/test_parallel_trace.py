@@ -335,3 +335,33 @@ def test_a_trace_leaves_untyped_storage_as_it_found_it():
     before = dict(torch.UntypedStorage.__dict__)
     trace_rank(TinyTransformer, 1, 8, parallelism=Parallelism(world_size=2))
     assert dict(torch.UntypedStorage.__dict__) == before  # resize_ watched only during the trace, then removed
+
+
+def test_a_search_at_a_lower_capacity_reuses_the_traces_it_is_given(monkeypatch) -> None:
+    entered: list[int] = []
+    base = _synthetic(lambda b: 1000 + 37 * b)
+
+    class Counted(base):
+        def __enter__(self):
+            entered.append(1)
+            return super().__enter__()
+
+    monkeypatch.setattr(fit, "RankSession", Counted)
+    first = largest_batch_size("any", 128, 3000)
+    assert (first.batch_size, first.traces, sorted(first.traced)) == (54, 4, [1, 2, 54, 55])  # 1000 + 37 * 54 = 2998
+    fresh = largest_batch_size("any", 128, 2900)
+    entered.clear()
+    again = largest_batch_size("any", 128, 2900, known=first.traced)
+    assert (
+        (again.batch_size, again.estimate, again.above)
+        == (fresh.batch_size, fresh.estimate, fresh.above)
+        == (
+            again.batch_size,
+            again.traced[51],
+            again.traced[52],
+        )
+    )
+    assert again.batch_size == 51 and again.traces == 2 and len(entered) == 1  # only 51 and 52 were new
+    entered.clear()
+    same = largest_batch_size("any", 128, 3000, known=first.traced)
+    assert (same.batch_size, same.traces, same.steps, entered) == (54, 0, 0, [])  # every size known: nothing built

@@ -13,7 +13,9 @@ after the first costs one steady training step.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 from batchfit.devices.trace import TraceDevice
@@ -43,8 +45,11 @@ class LargestBatch:
     estimate: ShardedEstimate
     above: ShardedEstimate | None
     traces: int
+    """Sizes this search traced (not counting those it reused from ``known``)."""
     steps: int = 0
     """Training steps traced in all (the first size's warm-up steps, then one per later size)."""
+    traced: Mapping[int, ShardedEstimate] = field(default_factory=dict, repr=False, compare=False)
+    """Every size's trace the search saw, by size: what a search at another capacity reuses (``known``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """``largest_batch_size``, the capacity, and both traces' dictionaries."""
@@ -64,9 +69,11 @@ class _SessionTraces:
     the session it gets from ``session``: this object, which keeps every trace by size, since the
     answer carries the estimates at its size and the one above, which trials do not."""
 
-    def __init__(self, session: RankSession, name: str):
-        self._session, self.name = session, name
+    def __init__(self, session: RankSession, name: str, known: Mapping[int, ShardedEstimate] | None = None):
+        self._session, self.name, self._known = session, name, dict(known or {})
+        self._open = False
         self.traced: dict[int, ShardedEstimate] = {}
+        self.new_traces = 0
 
     def backend(self) -> RankBackend:
         return ONE_RANK
@@ -79,11 +86,12 @@ class _SessionTraces:
         return self
 
     def __enter__(self) -> _SessionTraces:
-        self._session.__enter__()
-        return self
+        return self  # the session is built at the first size not already known
 
     def __exit__(self, *exc_info: object) -> None:
-        self._session.__exit__(*exc_info)
+        if self._open:
+            self._open = False
+            self._session.__exit__(*exc_info)
 
     @property
     def model(self) -> Any:
@@ -95,7 +103,15 @@ class _SessionTraces:
         return self._session.steps_run
 
     def trace(self, batch_size: int) -> ShardedEstimate:
+        """The trace at ``batch_size``: a known one, or one traced in the session (built now if it is not yet)."""
+        if batch_size in self._known:
+            self.traced[batch_size] = self._known[batch_size]
+            return self._known[batch_size]
+        if not self._open:
+            self._session.__enter__()
+            self._open = True
         self.traced[batch_size] = estimate = self._session.trace(batch_size)
+        self.new_traces += 1
         return estimate
 
 
@@ -106,6 +122,7 @@ def largest_batch_size(
     *,
     parallelism: Parallelism | None = None,
     max_batch_size: int = 1 << 16,
+    known: Mapping[int, ShardedEstimate] | None = None,
     **trace_options: Any,
 ) -> LargestBatch:
     """The largest micro-batch of ``seq_len`` tokens one rank trains within ``capacity`` (bytes,
@@ -115,12 +132,14 @@ def largest_batch_size(
     steps, every later one a single steady step with the same peak as its own ``trace_rank``.
     A search led by the phases' lines usually traces four sizes (1, 2, the answer and the size
     above it): ``search_workload`` with the ``PhaseLines`` strategy, on a ``TraceDevice`` of the
-    capacity (no cache, no agreement across ranks)."""
+    capacity (no cache, no agreement across ranks). ``known``: traces of this same model, ``seq_len``,
+    parallelism and options (a search at another capacity: its ``LargestBatch.traced``), reused where the search
+    asks for their sizes; the model is built and sharded only for a size not among them."""
     capacity_bytes = trace_capacity_bytes(capacity)
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise InputError(f"max_batch_size must be an integer of at least 1, got {max_batch_size!r}")
     name = model if isinstance(model, str) else getattr(model, "__name__", type(model).__name__)
-    work = _SessionTraces(RankSession(model, seq_len, parallelism=parallelism, **trace_options), name)
+    work = _SessionTraces(RankSession(model, seq_len, parallelism=parallelism, **trace_options), name, known)
     with contextlib.suppress(NoBatchFitsError):  # not even 1 fits: the answer is 0, with the trace at 1
         search_workload(
             work,
@@ -132,12 +151,11 @@ def largest_batch_size(
             cache=False,
             agree=False,
         )
-    traced = work.traced
-    fitting = [batch for batch, estimate in traced.items() if estimate.peak_bytes <= capacity_bytes]
-    if not fitting:
-        return LargestBatch(0, capacity_bytes, traced[1], None, len(traced), work.steps_run)
-    best = max(fitting)
-    return LargestBatch(best, capacity_bytes, traced[best], traced.get(best + 1), len(traced), work.steps_run)
+    traced = {**(known or {}), **work.traced}
+    fitting = [batch for batch, estimate in work.traced.items() if estimate.peak_bytes <= capacity_bytes]
+    found = max(fitting, default=0)
+    at, above = work.traced[found or 1], work.traced.get(found + 1) if found else None
+    return LargestBatch(found, capacity_bytes, at, above, work.new_traces, work.steps_run, traced)
 
 
 def describe(found: LargestBatch) -> str:

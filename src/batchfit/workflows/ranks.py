@@ -75,9 +75,11 @@ def traced_with_gradients_held(
     workload: ModelSpec, seq_len: int, capacity_bytes: int, parallelism: Parallelism, largest: LargestBatch
 ) -> LargestBatch:
     """The largest micro-batch per rank as a later micro-batch of an accumulation window: FSDP2 keeps the window's
-    gradient shards through it, so it is traced again within the capacity less their bytes (``largest``, the
-    trace of a whole step, where there are none to hold)."""
+    gradient shards through it, so it is searched again within the capacity less their bytes, reusing the sizes
+    ``largest``'s search traced (``largest`` itself where there are no gradients to hold)."""
     gradients = held_gradient_bytes(largest)
     if gradients == 0 or largest.batch_size == 0:
         return largest
-    return largest_batch_size(workload, seq_len, capacity_bytes - gradients, parallelism=parallelism)
+    return largest_batch_size(
+        workload, seq_len, capacity_bytes - gradients, parallelism=parallelism, known=largest.traced
+    )
