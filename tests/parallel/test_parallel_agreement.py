@@ -63,7 +63,9 @@ def _one_rank_peak(name: str, world_size: int, rank: int) -> int:
 @pytest.mark.slow  # four gloo ranks on two cores: make reliability runs it
 def test_one_rank_trials_and_the_fake_trace_match_real_fsdp2_at_four_ranks_on_every_rank(tmp_path) -> None:
     """As at two ranks (see above for the late-release bound): every rank's real later steps by
-    their lowest peak, against that rank's one-rank real trial (exact) and the fake trace (1%)."""
+    their lowest peak, against that rank's one-rank real trial (exact) and the fake trace (1%). On
+    two loaded cores gloo can release late in every later step alike; then no step shows the
+    on-time peak, and the one-rank trial may be below them all by at most one block's buffer."""
     completed = torchrun("fsdp_agreement.py", str(tmp_path), ranks=4)
     assert completed.returncode == 0, completed.stderr[-3000:]
     fakes = _fake_traces(4)
@@ -72,7 +74,10 @@ def test_one_rank_trials_and_the_fake_trace_match_real_fsdp2_at_four_ranks_on_ev
             real = json.loads((tmp_path / f"{name}.{rank}.json").read_text())
             later = real["peaks"][1:]
             lowest = min(later)
-            assert _one_rank_peak(name, 4, rank) == lowest, (name, rank, real["peaks"])
+            gap = lowest - _one_rank_peak(name, 4, rank)
+            all_late = len(set(later)) == 1 and gap > 0
+            bound = CASES[name].largest_block_bytes() + 4096
+            assert gap == 0 or (all_late and gap <= bound), (name, rank, gap, real["peaks"])
             assert _close(fake.peak_bytes, lowest), (name, rank, fake.peak_bytes, real["peaks"])
             assert max(later) - lowest <= CASES[name].largest_block_bytes() + 4096, (name, rank, later)
 
