@@ -22,6 +22,11 @@ from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
 from batchfit.planning.noise import NoiseScaleEstimator
 from batchfit.runtime.accumulate import backward_micro_batches
+from batchfit.runtime.micro_batches import default_tokens_per_sample
+from batchfit.runtime.micro_batches import micro_batch
+from batchfit.runtime.micro_batches import row_slices
+from batchfit.runtime.micro_batches import token_slices
+from batchfit.runtime.micro_batches import widths_of
 from batchfit.runtime.noise_measure import GradientWatcher
 from batchfit.runtime.undo import OptimizerSnapshot
 from batchfit.runtime.undo import ReplayStart
@@ -32,9 +37,6 @@ from batchfit.search.settings import SearchSettings
 from batchfit.search.settings import margin_bytes
 from batchfit.search.strategies import Strategy
 from batchfit.step.batching import batch_length
-from batchfit.step.batching import cut_sequences
-from batchfit.step.batching import sequence_widths
-from batchfit.step.batching import slice_batch
 from batchfit.step.batching import tensor_leaves
 from batchfit.step.compiled import runnable
 from batchfit.step.state import reset_sharded_iteration
@@ -144,24 +146,6 @@ def warn_renamed(owner: str, old: str, new: str) -> None:
 def device_accounting(device: Any) -> contextlib.AbstractContextManager:
     """Only a simulated device needs its accounting active to raise OOM; real allocators raise their own."""
     return device.measuring() if device.simulated else contextlib.nullcontext()
-
-
-def default_tokens_per_sample(batch: Any) -> torch.Tensor:
-    """Tokens in each sample: the sum of ``attention_mask`` where there is one, else the length
-    of the sequence dimension of the first tensor with one."""
-    from collections.abc import Mapping
-
-    if isinstance(batch, Mapping) and "attention_mask" in batch:
-        return batch["attention_mask"].sum(dim=1)
-    return widths_of(batch)
-
-
-def widths_of(batch: Any) -> torch.Tensor:
-    """``sequence_widths(batch)``, refused in one line for a batch without sequences."""
-    widths = sequence_widths(batch)
-    if widths is None:
-        raise InputError("max_tokens needs sequences: give tokens_per_sample(batch) -> tokens of each sample")
-    return widths
 
 
 class Microbatcher:
@@ -410,7 +394,7 @@ class Microbatcher:
         up), and how many micro-batches completed. DDP synchronises on the last micro-batch only, or
         never with ``local_only``."""
         widths = self._widths(batch) if self._by_tokens and not self._own_tokens else None
-        pieces = [self._piece(batch, start, stop, widths) for start, stop in slices]
+        pieces = [micro_batch(batch, start, stop, widths) for start, stop in slices]
         self._watcher = GradientWatcher(self.model, self.scaler) if self.noise is not None else None
         completed = 0
 
@@ -463,28 +447,9 @@ class Microbatcher:
 
     def _slices(self, batch: Any, size: int) -> list[tuple[int, int]]:
         """Row ranges of the micro-batches: ``size`` rows each, or at most ``size`` tokens each."""
-        total = batch_length(batch)
         if not self._by_tokens:
-            return [(start, min(start + size, total)) for start in range(0, total, size)]
-        widths = self._widths(batch)
-        if max(widths) > size:
-            raise RuntimeError(
-                f"a single sample holds {max(widths)} tokens, more than the budget of {size}: raise max_tokens or free memory"
-            )
-        slices, start, widest = [], 0, 0
-        for row, width in enumerate(widths):
-            if (row - start + 1) * max(widest, width) > size:  # rows x the widest: what the padded micro-batch holds
-                slices.append((start, row))
-                start, widest = row, 0
-            widest = max(widest, width)
-        slices.append((start, total))
-        return slices
-
-    def _piece(self, batch: Any, start: int, stop: int, widths: list[int] | None) -> Any:
-        """Rows ``start:stop``; by tokens, cut to the widest of them (the padding after every row's last
-        attended position is dropped: nothing attends it, and the budget counts it)."""
-        piece = slice_batch(batch, start, stop)
-        return piece if widths is None else cut_sequences(piece, max(widths[start:stop]))
+            return row_slices(batch_length(batch), size)
+        return token_slices(self._widths(batch), size)
 
     def _optimizer_step(self) -> None:
         """``optimizer.step()``; with ``guard_optimizer_step``, undone on any error that leaves it, and
