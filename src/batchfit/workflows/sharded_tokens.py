@@ -54,9 +54,10 @@ class RankBucket:
 
     @property
     def traces(self) -> int:
-        return self.traced.traces + (
-            0 if self.whole_step is None or self.whole_step is self.traced else self.whole_step.traces
-        )
+        """Sizes traced for this bucket: the whole step's search and the held one (which reuses its traces)."""
+        whole_step = self.whole_step
+        separate = whole_step is not None and whole_step is not self.traced
+        return self.traced.traces + (whole_step.traces if separate else 0)
 
     @property
     def batch_size(self) -> int:
