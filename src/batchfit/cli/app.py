@@ -44,6 +44,7 @@ from batchfit.cli.report import trials_table
 from batchfit.cli.report import write_json
 from batchfit.cli.workloads import describe_builtins
 from batchfit.cli.workloads import load_workload
+from batchfit.devices.base import Device
 from batchfit.devices.presets import preset
 from batchfit.devices.resolve import resolve_device
 from batchfit.devices.trace import TraceDevice
@@ -55,11 +56,14 @@ from batchfit.errors import InputError
 from batchfit.parallel.copied import ShardedCopy
 from batchfit.parallel.models import LLM_PRESETS
 from batchfit.parallel.settings import Parallelism
+from batchfit.planning.noise import Goodput
 from batchfit.planning.noise import goodput
 from batchfit.planning.plan import BatchPlan
 from batchfit.planning.plan import plan_batch
+from batchfit.search.estimate import MemoryEstimate
 from batchfit.search.estimate import estimate_workload
 from batchfit.search.evidence import before_any_trial
+from batchfit.search.result import SearchResult
 from batchfit.search.runner import device_for
 from batchfit.search.runner import search_workload
 from batchfit.search.runner import traces_first
@@ -67,6 +71,7 @@ from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import STRATEGIES
 from batchfit.search.trial import Trial
 from batchfit.step.builtin_workloads import BUILTIN_WORKLOADS
+from batchfit.throughput import ThroughputResult
 from batchfit.throughput import optimal_for_workload
 from batchfit.workflows.rank_workloads import rank_workload
 from batchfit.workflows.ranks import capacity_of
@@ -183,7 +188,7 @@ def find(
         console.print("Wrote " + " and ".join(str(p) for p in (json_path, plot) if p is not None))
 
 
-def _search_live(work: Any, dev: Any, done: list[Trial], quiet: bool, **settings: Any) -> Any:
+def _search_live(work: Any, dev: Device, done: list[Trial], quiet: bool, **settings: Any) -> SearchResult:
     capacity = dev.capacity_bytes()
     # auto traces first where the device says trials are expensive; elsewhere it decides after one trial
     chosen = settings["trace"] is True or before_any_trial(dev) is not None
@@ -217,7 +222,7 @@ def bracket_text(done: list[Trial]) -> str:
     return f" (fits: {fitted if fitted is not None else 'none yet'}, fails: {failed if failed is not None else 'none yet'})"
 
 
-def _interrupted(done: list[Trial], dev: Any) -> None:
+def _interrupted(done: list[Trial], dev: Device) -> None:
     if done:
         console.print(trials_table(done, dev.capacity_bytes()))
     fitted = [t.batch_size for t in done if t.fits]
@@ -350,7 +355,7 @@ def _verdict(at: Trial, capacity_bytes: int) -> str:
     return f"Micro-batch {at.batch_size} per rank does not fit {format_bytes(capacity_bytes)}: it runs out of memory{where}."
 
 
-def _print_estimate(largest: Any, breakdown: Any, batch_size: int | None) -> None:
+def _print_estimate(largest: SearchResult, breakdown: MemoryEstimate, batch_size: int | None) -> None:
 
     console.print(breakdown_table(breakdown))
     undercounted = breakdown.undercounted_ops
@@ -464,7 +469,7 @@ def optimal(
         plot_throughput(result, plot)
 
 
-def _print_goodput(result: Any, noise_scale: float) -> Any:
+def _print_goodput(result: ThroughputResult, noise_scale: float) -> Goodput:
 
     found = goodput(result, noise_scale)
     console.print(
