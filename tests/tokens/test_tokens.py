@@ -31,8 +31,12 @@ DEVICE = "sim:16MiB"
 LENGTHS = [16, 32, 64, 128]
 
 
+def tried_sizes(trials) -> list[tuple[int, bool]]:
+    return [(trial.batch_size, trial.fits) for trial in trials]
+
+
 def tried(search) -> list[tuple[int, bool]]:
-    return [(trial.batch_size, trial.fits) for trial in search.trials]
+    return tried_sizes(search.trials)
 
 
 def confirmed(search) -> None:
@@ -347,7 +351,3 @@ def test_a_bucket_too_long_for_one_sequence_is_reported_and_the_shorter_ones_sti
     assert result.exit_code == 0, result.output
     assert "Not even one sequence of 1024 tokens fits: cap sequences at 256 tokens here" in result.output
     assert json.loads(out.read_text())["too_long"] == [1024]
-
-
-def tried_sizes(trials) -> list[tuple[int, bool]]:
-    return [(trial.batch_size, trial.fits) for trial in trials]
