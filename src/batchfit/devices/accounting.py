@@ -166,6 +166,7 @@ class LiveBytes:
         self._made_nbytes: list[int] = []
         self._events: list[int] = []  # index + 1 when a logged storage is made, -(index + 1) when it is freed
         self._open: dict[int, int] = {}  # storage key -> its index in the lists, while it lives
+        self._marks: list[tuple[int, str]] = []  # (position in _events, what begins there): steps and phases
 
     def _rounded(self, nbytes: int) -> int:
         return -(-nbytes // self.rounding_bytes) * self.rounding_bytes
@@ -297,6 +298,15 @@ class LiveBytes:
             storage = ref()
             if storage is not None and storage.nbytes() != exact_nbytes:
                 self.resized(storage)
+
+    def mark(self, label: str) -> None:
+        """Note that ``label`` begins here in the event log: ``"step"`` before each step of a trial, ``"end"``
+        after its last, a phase's name where one ends (``step_marks`` reads them back)."""
+        self._marks.append((len(self._events), label))
+
+    def step_marks(self) -> list[tuple[int, str]]:
+        """The marks since ``mode()`` began: (position in ``event_log``, label), in order."""
+        return list(self._marks)
 
     def event_log(self) -> np.ndarray:
         """The order storages were made and freed since ``mode()`` began: ``i + 1`` when the storage ``i`` of

@@ -12,6 +12,9 @@ from typing import runtime_checkable
 
 import torch
 
+from batchfit.devices.allocator_replay import SETTLE_STEPS
+from batchfit.devices.allocator_replay import Replay
+from batchfit.devices.allocator_replay import replay_loops
 from batchfit.step.compiled import uncompiled
 
 
@@ -110,6 +113,28 @@ class CountingDevice:
 
     def synchronize(self) -> None:
         return None
+
+    def host(self) -> contextlib.AbstractContextManager:
+        """Where a trial builds its rows before copying them in each step, as a loader's batch is built on the
+        host: nothing here counts (ops run as they would outside ``measuring``)."""
+        return contextlib.nullcontext()
+
+    def mark(self, label: str) -> None:
+        """Note in the allocator's event log that a step begins (``"step"``), the last one ended (``"end"``), or
+        a phase ended (its name): what ``loop_replay`` needs to run the loop on."""
+        self.counter.mark(label)
+
+    def loop_replay(self, settle_steps: int = SETTLE_STEPS) -> Replay | None:
+        """The trial just measured, replayed through the modelled caching allocator and then run on, its last
+        step again and again, until the allocator settles (``batchfit.devices.allocator_replay``), as each
+        order of loop frees its memory (``batchfit.devices.loop_orders``); ``None``
+        without a modelled allocator (bytes counted exactly: every step is served as the first was)."""
+        counter = self.counter
+        if counter.allocator is None or counter.allocator_at_start is None:
+            return None
+        _, _, nbytes = counter.storage_log()
+        start = counter.allocator_at_start
+        return replay_loops(start, counter.event_log(), nbytes, marks=counter.step_marks(), settle_steps=settle_steps)
 
     def __repr__(self) -> str:
         return self.name

@@ -29,6 +29,7 @@ Streams, CUDA graphs and private pools are not modelled: one stream, the default
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from batchfit.devices.allocator_blocks import SMALL_BUFFER_BYTES
 from batchfit.devices.allocator_blocks import AllocatorStats
@@ -293,6 +294,34 @@ class CachingAllocator:
         self.stats.peak_reserved_bytes = max(self.stats.peak_reserved_bytes, self.stats.reserved_bytes)
         if nbytes > 0:
             self.stats.num_device_alloc += 1
+
+    def state_key(self, tags: Mapping[int, int] | None = None) -> tuple:
+        """The allocator's state as a value equal for two allocators exactly when every later request and free
+        is served alike: each segment in address order (new segments always come after), its pool, and its
+        blocks' offsets, sizes, and whether each is handed out or mapped; with the garbage collector on, the
+        free blocks' ages too. ``tags`` (``id(block)`` -> a number) names handed-out blocks that a later free
+        will name: where they sit matters, not only that something sits there.
+
+        >>> a, b = CachingAllocator(8 * MIB), CachingAllocator(8 * MIB)
+        >>> a.free(a.malloc(1000)); _ = b.malloc(1000)
+        >>> a.state_key() == b.state_key(), len(a.state_key())   # one 2 MiB segment each, held in b
+        (False, 1)
+        """
+        tags = tags or {}
+        aging = self.allowed_bytes is not None and self.settings.garbage_collection_threshold > 0
+        blocks = [*self.active]
+        for pool in (self.small, self.large):
+            blocks += [*pool.blocks.values(), *pool.unmapped.values()]
+        segments = []
+        for head in sorted((b for b in blocks if b.prev is None), key=lambda b: b.ptr):
+            layout, block = [], head
+            while block is not None:
+                age = block.pool.lookups - block.gc_base if aging and not block.allocated else 0
+                tag = tags.get(id(block), -1) if block.allocated else -1
+                layout.append((block.ptr - head.ptr, block.size, block.allocated, block.mapped, tag, age))
+                block = block.next
+            segments.append((head.pool.small, head.expandable, tuple(layout)))
+        return tuple(segments)
 
     def rebuilt(self, settings: AllocatorSettings) -> CachingAllocator:
         """A fresh allocator with ``settings`` holding what this one hands out now, requested again in address

@@ -309,6 +309,10 @@ class TraceDevice(CountingDevice):
         finally:
             _forget_real_tensors(self.fake_mode)
 
+    def host(self) -> contextlib.AbstractContextManager:
+        """Where a trial builds its rows: the fake mode its tensors live in, nothing counted."""
+        return self.fake_mode
+
     @contextlib.contextmanager
     def measuring(self, uncounted: Iterable[torch.Tensor] = ()) -> Iterator[None]:
         # The workspaces computed for the fake (CPU) kernels are the CPU's: a trace for a GPU only records

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from batchfit.devices.accounting import Ledger
-from batchfit.devices.allocator_replay import replay
+from batchfit.devices.allocator_replay import replay_loops
 from batchfit.devices.allocator_settings import allocator_label
 from batchfit.devices.interrupts import interrupts_deferred
 from batchfit.devices.simulated import SimulatedDevice
@@ -39,6 +39,7 @@ from batchfit.step.batching import resize_batch
 from batchfit.step.batching import tensor_leaves
 from batchfit.step.workload import Workload
 from batchfit.step.workload import autocast
+from batchfit.step.workload import placement_order
 
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "batch", "temporaries")
 EstimateDevice = TraceDevice | SimulatedDevice | int | str | None
@@ -175,7 +176,9 @@ class _Tagger:
 
     def __call__(self, phase: str) -> None:
         ledger = self.ledger
-        if phase == "batch":
+        if phase == "step":
+            ledger.tag = "batch"  # the step's batch, copied in next
+        elif phase == "batch":
             ledger.tag, ledger.phase = "temporaries", "forward"
         elif phase == "forward":
             live = [key for key in self.counter._refs if ledger.roles[ledger.serials[key]] == "temporaries"]
@@ -197,7 +200,7 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Te
 
 def _register_roles(ledger: Ledger, device: TraceDevice, work: Workload) -> None:
     groups = [
-        ("parameters", [*work.model.parameters(), *work.model.buffers()]),
+        ("parameters", placement_order(work.model, gradients=False)),
         ("gradients", [p.grad for p in work.model.parameters() if p.grad is not None]),
         ("optimizer_state", _optimizer_tensors(work.optimizer)),
     ]
@@ -239,7 +242,8 @@ def estimate_workload(
         fake = tracer.prepare(workload)
         ledger = tracer.counter.ledger = Ledger()
         _register_roles(ledger, tracer, fake)
-        with Prober(fake, tracer, steps=steps, phase_hook=_Tagger(ledger, tracer, fake)) as prober:
+        tagger = _Tagger(ledger, tracer, fake)
+        with Prober(fake, tracer, steps=steps, phase_hook=tagger, settle_steps=0) as prober:  # no limit to meet
             trial = prober.probe(batch_size)
     parts = ledger.breakdown()
     breakdown = {key: parts.get(key, 0) for key in BREAKDOWN_KEYS}
@@ -264,15 +268,17 @@ def estimate_workload(
 
 
 def _allocator_outcome(tracer: TraceDevice, trial: Any, target: TraceDevice | None) -> tuple[int | None, bool | None]:
-    """The modelled allocator's reserved peak and whether it served every request: the trial's requests and
-    frees replayed with the target's capacity, where there is one (the trace itself ran without a limit)."""
+    """The modelled allocator's reserved peak and whether it served every request of the training loop: the
+    trial's requests and frees replayed with the target's capacity, where there is one (the trace itself ran
+    without a limit), as each order of loop runs them, until the allocator settles."""
     counter = tracer.counter
     if counter.allocator is None:
         return None, None
     if target is None:
         return trial.reserved_peak_bytes, None
     _, _, nbytes = counter.storage_log()
-    outcome = replay(counter.allocator_at_start, counter.event_log(), nbytes, target.capacity_bytes())
+    marks = counter.step_marks()
+    outcome = replay_loops(counter.allocator_at_start, counter.event_log(), nbytes, target.capacity_bytes(), marks=marks)
     return (outcome.peak_reserved_bytes if outcome.served else None), outcome.served
 
 

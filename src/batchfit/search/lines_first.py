@@ -47,6 +47,7 @@ def storage_record(counter: LiveBytes, trial: Trial) -> StorageRecord:
         peak_bytes=int(trial.peak_bytes or 0),
         events=counter.event_log() if counter.allocator is not None else None,
         allocator_start=counter.allocator_at_start,
+        marks=tuple(counter.step_marks()) if counter.allocator is not None else None,
     )
 
 

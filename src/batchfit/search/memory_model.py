@@ -27,6 +27,7 @@ import numpy as np
 
 from batchfit.devices.allocator_replay import events_from_lifetimes
 from batchfit.devices.allocator_replay import replay
+from batchfit.devices.allocator_replay import replay_loops
 from batchfit.devices.caching_allocator import CachingAllocator
 from batchfit.search.trial import Trial
 
@@ -191,6 +192,7 @@ class StorageRecord:
     peak_bytes: int
     events: np.ndarray | None = None  # the order storages were made and freed (``LiveBytes.event_log``)
     allocator_start: CachingAllocator | None = None  # the modelled caching allocator as the trial began
+    marks: tuple[tuple[int, str], ...] | None = None  # where its steps began and phases ended (``step_marks``)
 
 
 @dataclass(frozen=True)
@@ -284,11 +286,17 @@ class StorageLines:
         return _bisect(lambda size: self.peak_bytes(size) <= limit_bytes, fitting, largest)
 
     def served(self, batch_size: int) -> bool:
-        """Whether the caching allocator the trials ran on would serve every request of a step at
+        """Whether the caching allocator the trials ran on would serve every request of the training loop at
         ``batch_size``: the base trial's requests and frees, in its order, with the storages' sizes at
-        ``batch_size``, replayed from the allocator's state as that trial began."""
-        start = self.base.allocator_start
-        return start is None or replay(start, self.event_order(), self._sizes(batch_size)).served
+        ``batch_size``, replayed from the allocator's state as that trial began; where the trial logged its
+        steps, as each order of loop runs them, for as many steps as the allocator takes to settle
+        (``replay_loops``)."""
+        base, start = self.base, self.base.allocator_start
+        if start is None:
+            return True
+        if base.marks is None or base.events is None:
+            return replay(start, self.event_order(), self._sizes(batch_size)).served
+        return replay_loops(start, base.events, self._sizes(batch_size), marks=base.marks).served
 
     def event_order(self) -> np.ndarray:
         """The base trial's order of requests and frees, or (where it logged none) one drawn from lifetimes."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Any
 
 import torch
 
+from batchfit.devices.allocator_replay import SETTLE_STEPS
 from batchfit.devices.base import Device
 from batchfit.devices.cleanup import drain_autograd_queue
 from batchfit.devices.interrupts import raise_if_interrupted
@@ -20,7 +22,8 @@ from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 from batchfit.errors import ModelDoesNotFitError
 from batchfit.search.trial import Trial
-from batchfit.step.batching import move_batch
+from batchfit.step.batching import copy_batch
+from batchfit.step.batching import host_batch
 from batchfit.step.batching import resize_batch
 from batchfit.step.batching import tensor_leaves
 from batchfit.step.compiled import CompileWatch
@@ -60,11 +63,16 @@ class Prober:
     """Use as a context manager: on entry the state is saved (and the model moved to ``device``
     if it lives elsewhere); ``probe(b)`` runs one trial; on exit everything is put back.
 
-    A trial runs ``steps`` full training steps (forward, loss, backward, optimizer step) on a
-    batch of ``b`` rows built from the sample, so the optimizer state made by step 1 is alive
-    during step 2. Only out-of-memory errors are caught; any other exception, ``KeyboardInterrupt``
+    A trial runs ``steps`` full training steps (forward, loss, backward, optimizer step) as the loop
+    people write runs them, from the state training starts in: each step copies a batch of ``b`` rows
+    (built once on the host from the sample's) onto the device while the last step's batch, output
+    and loss still live, so the optimizer state made by step 1 is alive during step 2. On a device
+    that models the CUDA caching allocator the loop then runs on in the model, the last step again
+    and again, until the allocator's cache settles (up to ``settle_steps`` more steps; 0: none): a
+    step that would run out of memory there fails the trial (``Trial.loop_steps``, ``Trial.settled``).
+    Only out-of-memory errors are caught; any other exception, ``KeyboardInterrupt``
     included, propagates unchanged after the state is restored. ``phase_hook(name)`` is called
-    when the batch is built (``"batch"``) and at the end of each phase. Each step is timed with
+    before each step's batch is copied in (``"step"``), after (``"batch"``) and at the end of each phase. Each step is timed with
     ``clock`` (device synchronised), for throughput. Trials measure on
     ``device.for_workload(workload)``: the device as it measures this workload.
     """
@@ -78,8 +86,10 @@ class Prober:
         limit_bytes: int | None = None,
         phase_hook: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        settle_steps: int = SETTLE_STEPS,
     ):
         check_steps(steps)
+        self.settle_steps = settle_steps
         self.workload = workload
         self.device = device.for_workload(workload)  # per search: the caller's device is left as it was
         self.steps = steps
@@ -157,6 +167,7 @@ class Prober:
         device_type = device.torch_device.type
 
         reserved_peak = getattr(device, "reserved_peak_bytes", None)
+        note = getattr(device, "mark", lambda label: None)
 
         def mark(phase: str) -> None:
             record.peaks[phase] = max(record.peaks.get(phase, 0), device.peak_bytes())
@@ -164,29 +175,55 @@ class Prober:
             if reserved is not None:
                 record.reserved_peak = max(record.reserved_peak or 0, reserved)
             record.phase = _NEXT_PHASE.get(phase, "forward")
+            note(phase)
             self.phase_hook(phase)
             device.reset_peak()
 
-        with device.measuring(uncounted=tensor_leaves(self._sample)):
+        # The rows are built on the host, as a loader builds them, and copied in at the start of every step
+        # while the last step's copy still lives (``batch = to_device(next(loader))`` rebinds it afterwards).
+        with getattr(device, "host", contextlib.nullcontext)():
+            rows = resize_batch(host_batch(self._sample), batch_size)
+        with device.measuring(uncounted=[*tensor_leaves(self._sample), *tensor_leaves(rows)]):
             device.reset_peak()
-            batch = move_batch(resize_batch(self._sample, batch_size), device.torch_device)
-            if self.compile_watch is not None:
-                mark_batch_dynamic(batch)  # one graph for every size, not a recompile per size
-            batch_bytes = sum(t.element_size() * t.numel() for t in tensor_leaves(batch) if t.dim() > 0)
-            self.phase_hook("batch")
             scaler = work.make_scaler(device_type)
-            held = LoopVariables()  # a loop's `outputs` and `loss`, alive from one step into the next
+            held = LoopVariables()  # a loop's `batch`, `outputs` and `loss`, alive from one step into the next
             for _ in range(steps):
                 raise_if_interrupted()
-                record.held_bytes = device.live_bytes() - batch_bytes - held.tensor_bytes()
+                note("step")
+                self.phase_hook("step")
+                held.batch = copy_batch(rows, device.torch_device)
+                if self.compile_watch is not None:
+                    mark_batch_dynamic(held.batch)  # one graph for every size, not a recompile per size
+                note("batch")
+                self.phase_hook("batch")
+                record.held_bytes = device.live_bytes() - held.tensor_bytes()
                 started = self.clock()
                 if work.mode == "train":
-                    work.train_step(batch, device_type, scaler, mark, held)
+                    work.train_step(held.batch, device_type, scaler, mark, held, note)
                 else:
-                    work.eval_step(batch, device_type, mark, held)
+                    work.eval_step(held.batch, device_type, mark, held)
                 device.synchronize()
                 record.step_seconds.append(self.clock() - started)
                 record.steps += 1
+            note("end")
+            self._run_on(record)
+
+    def _run_on(self, record: _Record) -> None:
+        """Where the device models a caching allocator: the loop run on past the trial's steps, in the model,
+        until the allocator settles; an out-of-memory error where a later step would meet one."""
+        loop_replay = getattr(self.device, "loop_replay", None)
+        outcome = loop_replay(self.settle_steps) if loop_replay is not None and self.settle_steps else None
+        if outcome is None:
+            return
+        record.loop_steps, record.settled = outcome.loop_steps, outcome.settled
+        if not outcome.served:
+            record.phase = outcome.failed_phase or record.phase
+            loop = f" ({outcome.loop.describe()})" if outcome.loop is not None else ""
+            raise torch.OutOfMemoryError(
+                f"{self.device.name} out of memory (CUDA out of memory, simulated) at step {outcome.failed_step} of "
+                f"the training loop{loop}, in {record.phase}: the caching allocator model ran the loop on from "
+                f"the trial's {record.steps} steps, which it served"
+            )
 
     def _reset(self) -> None:
         """Restore the state and free what the trial left; a full collection only when needed
@@ -206,6 +243,8 @@ class Prober:
             held_bytes=record.held_bytes,
             step_seconds=tuple(record.step_seconds),
             reserved_peak_bytes=record.reserved_peak,
+            loop_steps=record.loop_steps,
+            settled=record.settled,
         )
         if error is not None:
             return Trial(batch_size, False, None, seconds, error, oom=True, failed_phase=record.phase, **common)
@@ -248,6 +287,8 @@ class _Record:
     phase: str = "forward"  # where the trial is now: the phase an OOM struck in
     step_seconds: list[float] = field(default_factory=list)
     reserved_peak: int | None = None  # the caching allocator's, where the device has one
+    loop_steps: int | None = None  # steps of the loop the allocator model ran (the trial's, then more)
+    settled: bool | None = None  # whether the modelled allocator's state repeated within them
 
 
 _NEXT_PHASE = {"forward": "backward", "backward": "optimizer"}

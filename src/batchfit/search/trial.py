@@ -25,6 +25,10 @@ class Trial:
     ``exact_timeline`` the same before allocator rounding; ``step_seconds`` times each full step;
     ``reserved_peak_bytes`` is the caching allocator's reserved peak where the device has one (a GPU, or a
     simulated device that models it): at least the peak of live bytes, and what the card must hold.
+    Where the device models the caching allocator, ``loop_steps`` counts the steps of the training loop
+    the model ran (the trial's own, then its last again: ``batchfit.devices.allocator_replay``) and
+    ``settled`` says whether the allocator's state repeated within them, so every later step is served
+    as one of them was; after an out-of-memory error there, ``loop_steps`` is the step that met it.
     """
 
     batch_size: int
@@ -41,6 +45,8 @@ class Trial:
     failed_phase: str | None = None
     step_seconds: tuple[float, ...] = ()
     reserved_peak_bytes: int | None = None
+    loop_steps: int | None = None
+    settled: bool | None = None
 
     def summary(self) -> str:
         """One line: the size, whether it fitted, and the peak.

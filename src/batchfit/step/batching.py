@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
@@ -273,6 +274,39 @@ def compact_batch(batch: Any) -> Any:
     if not any(is_oversized_view(leaf) for leaf in tensor_leaves(batch)):
         return batch  # nothing to copy: the very batch the user gave
     return map_tensors(compact_tensor, batch)
+
+
+def host_batch(batch: Any) -> Any:
+    """``batch`` where a loader builds its rows: tensors on an accelerator copied to the host, others (on the
+    CPU, fake or meta tensors) kept as they are.
+
+    >>> host_batch({"x": torch.ones(2)})["x"].device
+    device(type='cpu')
+    """
+
+    def to_host(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type in ("cpu", "meta") or isinstance(tensor, FakeTensor):
+            return tensor
+        return tensor.to("cpu")
+
+    return map_tensors(to_host, batch)
+
+
+def copy_batch(batch: Any, device: torch.device) -> Any:
+    """A fresh copy of ``batch`` on ``device``, as a loop's ``batch.to(device)`` makes each step (a copy even
+    where the rows are there already: the loop's batch is new memory every step); ``requires_grad`` kept.
+
+    >>> rows = torch.ones(2, 3)
+    >>> copy_batch(rows, torch.device("cpu")).untyped_storage().data_ptr() != rows.untyped_storage().data_ptr()
+    True
+    """
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            copied = tensor.to(device, copy=True)
+        return copied.requires_grad_() if tensor.requires_grad else copied
+
+    return map_tensors(copy, batch)
 
 
 def move_batch(batch: Any, device: torch.device) -> Any:

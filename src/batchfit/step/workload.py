@@ -176,9 +176,9 @@ class Workload:
     # -- what a step holds -------------------------------------------------------------------
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Tensors the workload holds between steps: parameters, buffers, grads, optimizer state."""
-        held = [*self.model.parameters(), *self.model.buffers()]
-        held += [p.grad for p in self.model.parameters() if p.grad is not None]
+        """Tensors the workload holds between steps: parameters, buffers and grads in the order
+        ``model.to(device)`` places them (``placement_order``), then the optimizer's state."""
+        held = placement_order(self.model)
         if self.optimizer is not None:
             for entries in self.optimizer.state.values():
                 held += [v for v in entries.values() if isinstance(v, torch.Tensor)]
@@ -221,10 +221,18 @@ class Workload:
         return "the output dropped before backward, as in Lightning's training_step or the HF Trainer"
 
     def train_step(
-        self, batch: Any, device_type: str, scaler: Any, mark: PhaseMark, held: LoopVariables | None = None
+        self,
+        batch: Any,
+        device_type: str,
+        scaler: Any,
+        mark: PhaseMark,
+        held: LoopVariables | None = None,
+        note: PhaseMark | None = None,
     ) -> None:
         """One full step, marking each phase's end: forward and loss (``mark("forward")``),
-        backward (``mark("backward")``), optimizer step and ``zero_grad`` (``mark("optimizer")``).
+        backward (``mark("backward")``), optimizer step and ``zero_grad`` (``mark("optimizer")``);
+        ``note("zero_grad")`` just before ``zero_grad``, where a loop may put it instead (at the top of
+        the next step).
 
         With ``keep_output``, ``held`` keeps the output and the loss as a loop's variables do:
         the previous step's output lives through this forward, this step's through backward, the
@@ -238,13 +246,14 @@ class Workload:
         (scaler.scale(loss) if scaler is not None else loss).backward()
         del loss
         mark("backward")
-        if self._optimizer_step(scaler):
+        if self._optimizer_step(scaler, note or (lambda label: None)):
             mark("optimizer")
 
-    def _optimizer_step(self, scaler: Any) -> bool:
-        """The optimizer step and ``zero_grad``; ``False`` when there is no optimizer (the
-        gradients are dropped all the same)."""
+    def _optimizer_step(self, scaler: Any, note: PhaseMark) -> bool:
+        """The optimizer step and ``zero_grad`` (``note("zero_grad")`` between them); ``False`` when there
+        is no optimizer (the gradients are dropped all the same)."""
         if self.optimizer is None:
+            note("zero_grad")
             self.model.zero_grad(set_to_none=True)
             return False
         if scaler is not None:
@@ -255,6 +264,7 @@ class Workload:
             scaler.update()
         else:
             self.optimizer.step()
+        note("zero_grad")
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
@@ -291,15 +301,37 @@ class Workload:
 
 @dataclass
 class LoopVariables:
-    """What a hand-written loop's ``outputs`` and ``loss`` variables hold from one step into the
-    next (``None`` before the first)."""
+    """What a hand-written loop's ``batch``, ``outputs`` and ``loss`` variables hold from one step
+    into the next (``None`` before the first)."""
 
     output: Any = None
     loss: Any = None
+    batch: Any = None
 
     def tensor_bytes(self) -> int:
         """Bytes of the tensors held."""
-        return tensor_bytes((self.output, self.loss))
+        return tensor_bytes((self.output, self.loss, self.batch))
+
+
+def placement_order(module: torch.nn.Module, *, gradients: bool = True) -> list[torch.Tensor]:
+    """``module``'s parameters (each followed by its gradient, with ``gradients``) and buffers in the order
+    ``module.to(device)`` allocates them on a device: torch's ``Module._apply`` visits the children first,
+    then the module's own parameters, then its buffers. A caching allocator places what comes first first.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    >>> [tuple(t.shape) for t in placement_order(model)]
+    [(3, 2), (3,), (3,), (3,), (3,), (3,), ()]
+    """
+    placed: list[torch.Tensor] = []
+    for child in module.children():
+        placed += placement_order(child, gradients=gradients)
+    for param in module._parameters.values():
+        if param is not None:
+            placed.append(param)
+            if gradients and param.grad is not None:
+                placed.append(param.grad)
+    placed += [buffer for buffer in module._buffers.values() if buffer is not None]
+    return placed
 
 
 def hold_gradients(model: torch.nn.Module) -> None:
