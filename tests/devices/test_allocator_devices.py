@@ -4,7 +4,6 @@ allocator's edge, not the live bytes' one; and a loop written by hand holds at t
 
 from __future__ import annotations
 
-import weakref
 
 import pytest
 import torch
@@ -145,15 +144,12 @@ def test_an_estimate_says_when_the_allocator_cannot_serve_what_the_live_bytes_wo
 
 
 def test_a_confirmation_that_fails_goes_down_until_a_size_holds_for_its_steps():
-    """A loop whose memory grows with every step (one tensor per step, kept while the trial's batch lives):
-    two steps fit where four do not. The confirmation gallops down from the answer, then bisects, to the
-    largest size that holds four steps, the answer then; every size tried is a trial."""
-    kept: list[torch.Tensor] = []
+    """A loop whose memory grows with every step (a buffer more per step, dropped when a trial puts the
+    model back): two steps fit where four do not. The confirmation gallops down from the answer, then
+    bisects, to the largest size that holds four steps, the answer then; every size tried is a trial."""
 
     def growing_step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        if not kept:
-            weakref.finalize(batch, kept.clear)  # the trial's batch dropped: its steps' tensors go too
-        kept.append(torch.zeros(batch.shape[0], 2 * KIB))
+        model.register_buffer(f"kept_{len(model._buffers)}", torch.zeros(batch.shape[0], 2 * KIB))
         return model(batch).sum()
 
     model = nn.Linear(8, 1)
