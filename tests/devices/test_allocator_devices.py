@@ -4,7 +4,6 @@ allocator's edge, not the live bytes' one; and a loop written by hand holds at t
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn

@@ -278,7 +278,9 @@ def _allocator_outcome(tracer: TraceDevice, trial: Any, target: TraceDevice | No
         return trial.reserved_peak_bytes, None
     _, _, nbytes = counter.storage_log()
     marks = counter.step_marks()
-    outcome = replay_loops(counter.allocator_at_start, counter.event_log(), nbytes, target.capacity_bytes(), marks=marks)
+    outcome = replay_loops(
+        counter.allocator_at_start, counter.event_log(), nbytes, target.capacity_bytes(), marks=marks
+    )
     return (outcome.peak_reserved_bytes if outcome.served else None), outcome.served
 
 

@@ -310,11 +310,16 @@ class StorageLines:
         return dataclasses.replace(self, base=dataclasses.replace(self.base, allocator_start=allocator))
 
     def max_served_batch_size(self, fitting: int, largest: int) -> int:
-        """The largest B in ``[fitting, largest]`` the allocator serves, by bisection from ``largest`` down
-        (``largest``: where the live bytes alone would still fit, the usual answer); ``fitting`` is served."""
-        if self.served(largest):
-            return largest
-        return _bisect(self.served, fitting, largest - 1)
+        """The largest B in ``[fitting, largest]`` the allocator serves (``largest``: where the live bytes alone
+        would still fit, the usual answer; ``fitting`` is served): galloping down from ``largest`` (1, 2, 4, ...
+        below it) to a size served, then bisecting above it. A size the allocator cannot serve fails within a
+        few steps of the loop, one it serves is run until the cache settles, so most sizes tried are the first."""
+        if largest <= fitting or self.served(largest):
+            return max(largest, fitting)
+        failing, gap = largest, 1  # failing: the lowest size seen not served
+        while (held := max(largest - gap, fitting)) > fitting and not self.served(held):
+            failing, gap = held, gap * 2
+        return _bisect(self.served, held, failing - 1)
 
 
 def _bisect(fits: Callable[[int], bool], fitting: int, largest: int) -> int:
