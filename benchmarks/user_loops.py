@@ -32,13 +32,13 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 
 import torch  # noqa: E402
+
+import batchfit as bf  # noqa: E402
 from user_loops import KINDS  # noqa: E402
 from user_loops import OPTIMIZERS  # noqa: E402
 from user_loops import RandomCase  # noqa: E402
 from user_loops import first_failure  # noqa: E402
 from user_loops import loss_fn  # noqa: E402
-
-import batchfit as bf  # noqa: E402
 
 ALLOCATORS = ("cuda", "cuda-expandable")
 LOOP_STEPS = 20
@@ -69,7 +69,7 @@ def run_case(case: RandomCase, allocator: str) -> dict[str, Any]:
         result = bf.find_max_batch_size(
             model, sample, loss_fn=loss_fn, optimizer=optimizer, device=device, trace=False, cache=False
         )
-    except bf.ModelDoesNotFitError:
+    except (bf.ModelDoesNotFitError, bf.NoBatchFitsError):
         return {"case": str(case), "allocator": allocator, "answer": None}
     seconds = time.perf_counter() - started
     answer = result.batch_size
@@ -140,20 +140,21 @@ def report(after_rows: list[dict[str, Any]], before_rows: list[dict[str, Any]] |
         f"Written by `python benchmarks/user_loops.py --cases {after['cases']}` on {time.strftime('%Y-%m-%d')} in "
         f"{seconds:.0f} s, on a shared two-core {platform.machine()} machine with no GPU, torch {torch.__version__}.",
         "Random small models and capacities (`tests/support/user_loops.py`: MLPs with and without BatchNorm, CNNs,",
-        "a transformer encoder, an LSTM; AdamW, Adam, SGD with momentum), half on `allocator=\"cuda\"`, half on",
+        'a transformer encoder, an LSTM; AdamW, Adam, SGD with momentum), half on `allocator="cuda"`, half on',
         '`"cuda-expandable"`. The check is the hand-written loop on a fresh device, 20 steps, in all four orders',
         "(the last batch freed before or after the new copy; `zero_grad` at the top of the step or at its end).",
         "",
         "| | cases | answered | held 20 steps at the answer | one above runs out of memory | one above holds (conservative) |",
         "|---|---|---|---|---|---|",
     ]
-    for label, rows in (("before (the trial's batch built once, one step's cache)", before_rows), ("after", after_rows)):
+    for label, rows in (
+        ("before (the trial's batch built once, one step's cache)", before_rows),
+        ("after", after_rows),
+    ):
         if rows is None:
             continue
         s = summary(rows)
-        lines.append(
-            f"| {label} | {s['cases']} | {s['answered']} | {s['held']} | {s['exact']} | {s['conservative']} |"
-        )
+        lines.append(f"| {label} | {s['cases']} | {s['answered']} | {s['held']} | {s['exact']} | {s['conservative']} |")
     missed = [r for r in (before_rows or []) if r["answer"] is not None and not r["held"]]
     if missed:
         steps = Counter(r["failed_at_step"] for r in missed)
@@ -161,14 +162,20 @@ def report(after_rows: list[dict[str, Any]], before_rows: list[dict[str, Any]] |
     conservative = [r for r in after_rows if r["answer"] is not None and r["held"] and not r["one_above_fails"]]
     if conservative:
         lines += ["", "Conservative answers after (the loop's own edge, looked for up to 8 above):", ""]
-        lines += [f"- {r['case']}, {r['allocator']}: answer {r['answer']}, loop edge {r['loop_edge']}" for r in conservative]
+        lines += [
+            f"- {r['case']}, {r['allocator']}: answer {r['answer']}, loop edge {r['loop_edge']}" for r in conservative
+        ]
     settled = Counter(str(r["settled"][0]) if r["settled"] else "n/a" for r in after_rows if r["answer"] is not None)
     loop_steps = sorted(r["loop_steps"][0] for r in after_rows if r.get("loop_steps") and r["loop_steps"][0])
     lines += [
         "",
         f"The allocator model's state repeated (the loop settled) at the answer in {settled.get('True', 0)} of "
         f"{after['answered']} cases within 64 steps after the trial's 2"
-        + (f"; steps run at the answer: median {loop_steps[len(loop_steps) // 2]}, most {loop_steps[-1]}." if loop_steps else "."),
+        + (
+            f"; steps run at the answer: median {loop_steps[len(loop_steps) // 2]}, most {loop_steps[-1]}."
+            if loop_steps
+            else "."
+        ),
         "",
         "| case | allocator | answer | trials | search s | held | one above fails (at step) | loop steps | settled |",
         "|---|---|---|---|---|---|---|---|---|",

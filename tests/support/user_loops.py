@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
+
 
 @dataclass(frozen=True)
 class LoopOrder:
@@ -45,7 +47,7 @@ class RandomCase:
     width: int
     depth: int
     optimizer: str
-    capacity_factor: int  # the capacity in units of the model's parameter bytes (plus 1 MiB)
+    capacity_factor: int  # the capacity in units of the model's parameter bytes (plus 2.5 MiB)
     seed: int
 
     def build(self) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], torch.optim.Optimizer]:
@@ -57,7 +59,7 @@ class RandomCase:
     def capacity_bytes(self) -> int:
         model, _, _ = self.build()
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        return self.capacity_factor * params + 2**20
+        return self.capacity_factor * params + 5 * 2**19  # 2.5 MiB: a small segment (2 MiB) and room beside it
 
     def __str__(self) -> str:
         return f"{self.kind} {self.width}x{self.depth} {self.optimizer} cap x{self.capacity_factor} seed {self.seed}"
@@ -67,9 +69,16 @@ def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output, targets)
 
 
-def loop_failure(
-    case: RandomCase, rows: int, allocator: str, steps: int = 20, order: LoopOrder = LoopOrder()
-) -> int | None:
+class Case(Protocol):
+    """What the loop runs: a fresh model, sample and optimizer from ``build()``, a capacity, a seed for its rows."""
+
+    seed: int
+
+    def build(self) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], torch.optim.Optimizer]: ...
+    def capacity_bytes(self) -> int: ...
+
+
+def loop_failure(case: Case, rows: int, allocator: str, steps: int = 20, order: LoopOrder = LoopOrder()) -> int | None:
     """``steps`` steps of the hand-written loop at ``rows`` on a fresh device: ``None`` when all ran, else the
     step (1 is the first) that ran out of memory."""
     model, (inputs, targets), optimizer = case.build()
@@ -106,7 +115,7 @@ def loop_failure(
     return None
 
 
-def first_failure(case: RandomCase, rows: int, allocator: str, steps: int = 20) -> tuple[int, LoopOrder] | None:
+def first_failure(case: Case, rows: int, allocator: str, steps: int = 20) -> tuple[int, LoopOrder] | None:
     """The earliest step at which any loop order runs out of memory at ``rows`` (with that order), or ``None``."""
     failures = [(step, order) for order in LOOP_ORDERS if (step := loop_failure(case, rows, allocator, steps, order))]
     return min(failures, key=lambda failure: failure[0]) if failures else None

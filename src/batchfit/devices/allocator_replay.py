@@ -153,16 +153,22 @@ def replay_loops(
     settle_steps: int = SETTLE_STEPS,
     orders: Sequence[LoopOrder] = LOOP_ORDERS,
 ) -> Replay:
-    """``replay`` of the trial as each loop in ``orders`` runs it (``batchfit.devices.loop_orders``): the first
-    that runs out of memory, with its ``loop``; else one served by all, with the most steps any ran and
-    ``settled`` only where every loop settled."""
+    """``replay`` of the trial as each loop in ``orders`` runs it (``batchfit.devices.loop_orders``): the one that
+    runs out of memory first (its ``loop``; the first in ``orders`` among equals); else one served by all, with
+    the most steps any ran and ``settled`` only where every loop settled. Once a loop has failed at step k, the
+    others run to step k - 1 only: all that can still fail earlier."""
+    trial_steps = sum(label == "step" for _, label in marks)
+    failed: Replay | None = None
     outcomes = []
     for order in orders:
+        budget = settle_steps if failed is None else max(failed.failed_step - 1 - trial_steps, 0)
         ordered, ordered_marks = reordered(events, marks, order)
-        outcome = replay(start, ordered, sizes, capacity_bytes, marks=ordered_marks, settle_steps=settle_steps)
-        if not outcome.served:
-            return dataclasses.replace(outcome, loop=order)
+        outcome = replay(start, ordered, sizes, capacity_bytes, marks=ordered_marks, settle_steps=budget)
+        if not outcome.served and (failed is None or outcome.failed_step < failed.failed_step):
+            failed = dataclasses.replace(outcome, loop=order)
         outcomes.append(outcome)
+    if failed is not None:
+        return failed
     settled = [outcome.settled for outcome in outcomes]
     return dataclasses.replace(
         max(outcomes, key=lambda outcome: outcome.peak_reserved_bytes),
