@@ -90,13 +90,14 @@ def loop_failure(case: Case, rows: int, allocator: str, steps: int = 20, order: 
     ]
     originals = [t.detach() for t in (*model.parameters(), *model.buffers())]  # host copies: kept alive, uncounted
     host_tensors = [t for pair in hosts for t in pair]
-    step = 0
+    reached = 0
     try:
         with device.measuring(uncounted=[*originals, inputs, targets, *host_tensors]):
             model._apply(torch.clone)  # model.to(device): torch's order, every copy counted
             batch: Any = None
             out = loss = None
-            for step, (x, y) in enumerate(hosts, start=1):
+            for x, y in hosts:
+                reached += 1
                 if order.batch_freed_first:
                     batch = None  # ``for x, y in loader`` rebinds the names before the copy
                 batch = (x.clone(), y.clone())
@@ -109,7 +110,7 @@ def loop_failure(case: Case, rows: int, allocator: str, steps: int = 20, order: 
                 if not order.zero_grad_first:
                     optimizer.zero_grad(set_to_none=True)
     except torch.OutOfMemoryError:
-        return step
+        return reached
     finally:
         del out, loss, batch
     return None
