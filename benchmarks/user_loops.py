@@ -36,13 +36,39 @@ import torch  # noqa: E402
 import batchfit as bf  # noqa: E402
 from user_loops import KINDS  # noqa: E402
 from user_loops import OPTIMIZERS  # noqa: E402
+from user_loops import FiveLinears  # noqa: E402
 from user_loops import RandomCase  # noqa: E402
 from user_loops import first_failure  # noqa: E402
+from user_loops import loop_failure  # noqa: E402
 from user_loops import loss_fn  # noqa: E402
+from user_loops import request_log  # noqa: E402
 
 ALLOCATORS = ("cuda", "cuda-expandable")
 LOOP_STEPS = 20
 LOOKING_UP = 8  # sizes tried above a conservative answer for the loop's own edge
+SIDE_BY_SIDE_ROWS = 242  # one step's trial answered 242 for FiveLinears; the loop fails there at step 2
+SHOWN_REQUESTS = 44
+
+
+def trial_requests(rows: int = SIDE_BY_SIDE_ROWS) -> tuple[list[str], str]:
+    """What the modelled allocator sees of a two-step trial of ``FiveLinears`` at ``rows`` (parameters placed,
+    then the trial), and the trial's verdict."""
+    case = FiveLinears()
+    model, sample, optimizer = case.build()
+    device = bf.SimulatedDevice(case.capacity_bytes(), allocator="cuda")
+    with request_log(device) as log:
+        trial = bf.probe_batch_size(model, sample, rows, loss_fn=loss_fn, optimizer=optimizer, device=device)
+    steps = getattr(trial, "loop_steps", None) or trial.steps + 1
+    return log, "fits" if trial.fits else f"out of memory at step {steps}"
+
+
+def loop_requests(rows: int = SIDE_BY_SIDE_ROWS) -> tuple[list[str], str]:
+    """The same for 20 steps of the hand-written loop (parameters copied on by ``Module._apply``)."""
+    case = FiveLinears()
+    device = bf.SimulatedDevice(case.capacity_bytes(), allocator="cuda")
+    with request_log(device) as log:
+        failed = loop_failure(case, rows, "cuda", steps=20, device=device)
+    return log, "held 20 steps" if failed is None else f"out of memory at step {failed}"
 
 
 def draw_cases(count: int, seed: int = 2026) -> list[tuple[RandomCase, str]]:
@@ -119,8 +145,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, int]:
     }
 
 
-def before(src: str, count: int) -> list[dict[str, Any]]:
-    """The same campaign with ``src``'s batchfit, in a child process."""
+def before(src: str, count: int) -> dict[str, Any]:
+    """The same campaign and the trial's requests with ``src``'s batchfit, in a child process."""
     env = {**os.environ, "PYTHONPATH": src}
     done = subprocess.run(
         [sys.executable, __file__, "--cases", str(count), "--rows-only"],
@@ -132,7 +158,38 @@ def before(src: str, count: int) -> list[dict[str, Any]]:
     return json.loads(done.stdout)
 
 
-def report(after_rows: list[dict[str, Any]], before_rows: list[dict[str, Any]] | None, seconds: float) -> str:
+def side_by_side(before_trial: tuple[list[str], str] | None) -> list[str]:
+    """The first requests of the trial before, the trial now and the loop, for ``FiveLinears`` at 242 rows."""
+    now, loop = trial_requests(), loop_requests()
+    columns = [("the trial before", before_trial)] if before_trial is not None else []
+    columns += [("the trial now", now), ("the hand-written loop", loop)]
+    lines = [
+        f'## The requests side by side: FiveLinears at {SIDE_BY_SIDE_ROWS} rows, `allocator="cuda"`',
+        "",
+        "Bytes asked of the caching allocator model (`+`) and blocks freed (`-`), in order, from the parameters'",
+        "placement on. The trial before built its batch on the device from the sample's rows (index temporaries",
+        "of 1,936 bytes made and freed first), once, and the allocator's cache was judged after its two steps; the",
+        "loop copies a new batch in every step, while the last one still lives, and its cache carries on. The",
+        "trial now copies its batch in as the loop does and runs the loop on in the allocator model.",
+        "",
+        "| # | " + " | ".join(name for name, _ in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    logs = [log for _, (log, _) in columns]
+    for index in range(min(SHOWN_REQUESTS, max(len(log) for log in logs))):
+        cells = [log[index] if index < len(log) else "" for log in logs]
+        mark = " ←" if before_trial is not None and cells[0] != cells[-1] else ""
+        lines.append(f"| {index + 1}{mark} | " + " | ".join(cells) + " |")
+    lines.append("| outcome | " + " | ".join(verdict for _, (_, verdict) in columns) + " |")
+    return lines
+
+
+def report(
+    after_rows: list[dict[str, Any]],
+    before_rows: list[dict[str, Any]] | None,
+    seconds: float,
+    before_trial: tuple[list[str], str] | None,
+) -> str:
     after = summary(after_rows)
     lines = [
         "# The answer in the loop people write, under the caching allocator model",
@@ -206,10 +263,11 @@ def main() -> None:
     started = time.time()
     rows = campaign(args.cases)
     if args.rows_only:
-        print(json.dumps(rows))
+        print(json.dumps({"rows": rows, "trial": trial_requests()}))
         return
-    before_rows = before(args.before_src, args.cases) if args.before_src else None
-    text = report(rows, before_rows, time.time() - started)
+    old = before(args.before_src, args.cases) if args.before_src else None
+    before_rows, before_trial = (old["rows"], tuple(old["trial"])) if old is not None else (None, None)
+    text = report(rows, before_rows, time.time() - started, before_trial)
     from batchfit.files import atomic_write_text
 
     atomic_write_text(HERE / "USER-LOOPS.md", text)

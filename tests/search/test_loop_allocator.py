@@ -9,7 +9,6 @@ model running the last step on until the cache settles (``batchfit.devices.alloc
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -30,29 +29,11 @@ from batchfit.devices.loop_orders import reordered
 from user_loops import KINDS
 from user_loops import LOOP_ORDERS
 from user_loops import OPTIMIZERS
+from user_loops import FiveLinears
 from user_loops import RandomCase
 from user_loops import first_failure
 from user_loops import loop_failure
 from user_loops import loss_fn
-
-
-@dataclass(frozen=True)
-class FiveLinears:
-    """Five linear layers with GELU, Adam, 8 rows, a 3.1 MiB device: one small segment of 2 MiB, no room for a
-    second, so where each block lands decides. One step's trial said 242 rows fit; the loop ran out of memory
-    there at step 2, and at 222 at step 8."""
-
-    seed: int = 3570
-
-    def build(self) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], torch.optim.Optimizer]:
-        torch.manual_seed(self.seed)
-        hidden = [m for _ in range(3) for m in (nn.Linear(128, 128), nn.GELU())]
-        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), *hidden, nn.Linear(128, 37))
-        sample = (torch.randn(8, 64), torch.randint(0, 37, (8,)))
-        return model, sample, torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    def capacity_bytes(self) -> int:
-        return 3_296_634
 
 
 def search(case, allocator: str = "cuda", device=None) -> bf.SearchResult:

@@ -13,6 +13,8 @@ hundreds of rows.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from typing import Protocol
@@ -78,11 +80,18 @@ class Case(Protocol):
     def capacity_bytes(self) -> int: ...
 
 
-def loop_failure(case: Case, rows: int, allocator: str, steps: int = 20, order: LoopOrder = LoopOrder()) -> int | None:
-    """``steps`` steps of the hand-written loop at ``rows`` on a fresh device: ``None`` when all ran, else the
-    step (1 is the first) that ran out of memory."""
+def loop_failure(
+    case: Case,
+    rows: int,
+    allocator: str,
+    steps: int = 20,
+    order: LoopOrder = LoopOrder(),
+    device: bf.SimulatedDevice | None = None,
+) -> int | None:
+    """``steps`` steps of the hand-written loop at ``rows`` on a fresh device (or ``device``, fresh): ``None``
+    when all ran, else the step (1 is the first) that ran out of memory."""
     model, (inputs, targets), optimizer = case.build()
-    device = bf.SimulatedDevice(case.capacity_bytes(), allocator=allocator)
+    device = device or bf.SimulatedDevice(case.capacity_bytes(), allocator=allocator)
     generator = torch.Generator().manual_seed(case.seed)
     hosts = [
         (inputs[picked], targets[picked])
@@ -120,6 +129,53 @@ def first_failure(case: Case, rows: int, allocator: str, steps: int = 20) -> tup
     """The earliest step at which any loop order runs out of memory at ``rows`` (with that order), or ``None``."""
     failures = [(step, order) for order in LOOP_ORDERS if (step := loop_failure(case, rows, allocator, steps, order))]
     return min(failures, key=lambda failure: failure[0]) if failures else None
+
+
+@dataclass(frozen=True)
+class FiveLinears:
+    """Five linear layers with GELU, Adam, 8 rows, a 3.1 MiB device: one small segment of 2 MiB and no room for
+    a second, so where each block lands decides. A trial of one cache state said 242 rows fit; the loop ran out
+    of memory there at step 2, and at 222 at step 8."""
+
+    seed: int = 3570
+
+    def build(self) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], torch.optim.Optimizer]:
+        torch.manual_seed(self.seed)
+        hidden = [m for _ in range(3) for m in (nn.Linear(128, 128), nn.GELU())]
+        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), *hidden, nn.Linear(128, 37))
+        sample = (torch.randn(8, 64), torch.randint(0, 37, (8,)))
+        return model, sample, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def capacity_bytes(self) -> int:
+        return 3_296_634
+
+
+@contextlib.contextmanager
+def request_log(device: bf.SimulatedDevice) -> Iterator[list[str]]:
+    """Every request (``+bytes``) and free (``-bytes`` of the block) ``device``'s modelled allocator sees while
+    active, in order; a request it cannot serve is marked. Replays of other allocators are left out."""
+    from batchfit.devices import caching_allocator
+
+    log: list[str] = []
+    cls = caching_allocator.CachingAllocator
+    malloc, free = cls.malloc, cls.free
+
+    def logged_malloc(allocator: Any, nbytes: int) -> Any:
+        block = malloc(allocator, nbytes)
+        if allocator is device.counter.allocator:
+            log.append(f"+{nbytes}" if block is not None else f"+{nbytes} (out of memory)")
+        return block
+
+    def logged_free(allocator: Any, block: Any) -> None:
+        if allocator is device.counter.allocator:
+            log.append(f"-{block.size}")
+        free(allocator, block)
+
+    cls.malloc, cls.free = logged_malloc, logged_free
+    try:
+        yield log
+    finally:
+        cls.malloc, cls.free = malloc, free
 
 
 # -- the models ------------------------------------------------------------------------------------------------

@@ -78,7 +78,19 @@ class Trial:
                 reserved = f", {format_bytes(self.reserved_peak_bytes)} reserved"
             return (
                 f"✓ Batch size {self.batch_size} fits — peak {format_bytes(self.peak_bytes)}{of}{reserved} "
-                f"({self.seconds:.1f} s)"
+                f"({self.seconds:.1f} s{self._loop_words()})"
             )
         reason = f"out of memory in {self.failed_phase}" if self.oom else (self.error or "does not fit")
+        if self.oom and self.loop_steps is not None and self.loop_steps > self.steps:
+            reason += f" at step {self.loop_steps} of the loop"
         return f"✗ Batch size {self.batch_size}: {reason}"
+
+    def _loop_words(self) -> str:
+        """How far the allocator model ran the loop past the trial's steps, where it did.
+
+        >>> Trial(8, True, 100, 0.1, steps=2, loop_steps=9, settled=True)._loop_words()
+        '; the loop settled by step 9'
+        """
+        if self.loop_steps is None or self.loop_steps <= self.steps:
+            return ""
+        return f"; the loop {'settled by' if self.settled else 'held'} step {self.loop_steps}"
