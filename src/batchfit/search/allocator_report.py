@@ -19,7 +19,8 @@ EXPANDABLE_CONF = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 def allocator_report(device: Any, result: Any) -> dict[str, Any] | None:
     """The allocator's part of a search ``result`` on ``device`` (``None`` where no caching allocator decides):
     its settings, the peaks at the answer (its last trial there: the confirmation, if one ran), the bytes
-    reserved beyond the live ones, the edge predicted with expandable segments and with these settings (where
+    reserved beyond the live ones, the steps of the loop the allocator model ran there and whether its state
+    then repeated (``loop_steps``, ``settled``: see ``batchfit.devices.allocator_replay``), the edge predicted with expandable segments and with these settings (where
     the lines or the trace predicted them), and ``advice`` when expandable segments would raise the answer."""
     settings = getattr(device, "allocator_settings", None)
     if settings is None:
@@ -37,6 +38,8 @@ def allocator_report(device: Any, result: Any) -> dict[str, Any] | None:
         "fragmentation_bytes": reserved - allocated if reserved is not None and allocated is not None else None,
         "predicted_batch_size": predicted.get("batch_size"),
         "expandable_batch_size": predicted.get("expandable_batch_size"),
+        "loop_steps": chosen.loop_steps if chosen is not None else None,
+        "settled": chosen.settled if chosen is not None else None,
     }
     report["advice"] = expandable_advice(report["predicted_batch_size"], report["expandable_batch_size"])
     return report
@@ -63,6 +66,9 @@ def allocator_clause(extra: dict[str, Any]) -> str:
     if confirmed and confirmed.get("batch_size") is not None:
         words += f"; confirmed by {confirmed['steps']} steps in a row from an emptied cache, as training starts"
     report = extra.get("allocator")
+    if report and report.get("loop_steps"):
+        held = "settled by" if report.get("settled") else "held"
+        words += f"; the allocator model ran the training loop on and it {held} step {report['loop_steps']}"
     if report and report.get("fragmentation_bytes") is not None:
         words += f"; the caching allocator reserved {format_bytes(report['fragmentation_bytes'])} beyond the live bytes"
     if report and report.get("advice"):

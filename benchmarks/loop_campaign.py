@@ -11,7 +11,7 @@ memory one above (within the steps the trial said it would), conservative when n
 ``--before-src DIR`` also runs the campaign with another checkout's ``src`` (the answers before a change), in a
 child process, for the before/after table. Writes benchmarks/USER-LOOPS.md.
 
-    python benchmarks/user_loops.py --cases 64 [--before-src /tmp/before/src]
+    python benchmarks/loop_campaign.py --cases 64 [--before-src /tmp/before/src]
 """
 
 from __future__ import annotations
@@ -194,12 +194,15 @@ def report(
     lines = [
         "# The answer in the loop people write, under the caching allocator model",
         "",
-        f"Written by `python benchmarks/user_loops.py --cases {after['cases']}` on {time.strftime('%Y-%m-%d')} in "
+        f"Written by `python benchmarks/loop_campaign.py --cases {after['cases']}"
+        + (" --before-src BEFORE/src`" if before_rows is not None else "`")
+        + f" on {time.strftime('%Y-%m-%d')} in "
         f"{seconds:.0f} s, on a shared two-core {platform.machine()} machine with no GPU, torch {torch.__version__}.",
         "Random small models and capacities (`tests/support/user_loops.py`: MLPs with and without BatchNorm, CNNs,",
         'a transformer encoder, an LSTM; AdamW, Adam, SGD with momentum), half on `allocator="cuda"`, half on',
         '`"cuda-expandable"`. The check is the hand-written loop on a fresh device, 20 steps, in all four orders',
         "(the last batch freed before or after the new copy; `zero_grad` at the top of the step or at its end).",
+        "BEFORE is a checkout of the commit before trials became the loop (70589df)." if before_rows else "",
         "",
         "| | cases | answered | held 20 steps at the answer | one above runs out of memory | one above holds (conservative) |",
         "|---|---|---|---|---|---|",
@@ -247,7 +250,7 @@ def report(
             f"{'yes (' + str(r['one_above_step']) + ')' if r['one_above_fails'] else 'no'} | "
             f"{(r['loop_steps'] or [None])[0]} | {(r['settled'] or [None])[0]} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *side_by_side(before_trial)]) + "\n"
 
 
 def _steps(counts: Counter) -> str:
