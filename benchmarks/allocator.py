@@ -229,8 +229,9 @@ def _loop_row(trial: bf.Trial) -> str:
     if trial.fits:
         settled = "its state repeated" if trial.settled else "not yet repeating"
         return f"| {trial.batch_size} | {reserved} | held ({settled}) | {trial.loop_steps} |"
-    where = trial.error.split(" the caching allocator model")[0].split("simulated) ")[-1]
-    return f"| {trial.batch_size} | {reserved} | out of memory {where} | {trial.loop_steps} |"
+    loop = trial.error.split("training loop (")[-1].split(")")[0] if "training loop (" in trial.error else "?"
+    words = f"out of memory at step {trial.loop_steps}, in {trial.failed_phase} ({loop})"
+    return f"| {trial.batch_size} | {reserved} | {words} | {trial.loop_steps} |"
 
 
 def report(traced: list[dict[str, Any]], real: list[dict[str, Any]], h200: dict[str, Any], expensive: Any) -> str:
@@ -274,7 +275,8 @@ def report(traced: list[dict[str, Any]], real: list[dict[str, Any]], h200: dict[
         "attention kernel, autocast lists and optimizer: `benchmarks/GPU-ESTIMATES.md`). The H200 figures are the",
         "ones measured there (`shared/notes/real-gpu.md`, torch 2.11); no GPU was at hand for this run. On the card",
         "the search answered 89 with the default allocator, and the loop written by hand then ran out of memory at",
-        "89 and at several sizes below it; with expandable segments both held at 93.",
+        "89 and at several sizes below it; with expandable segments the search held 93, and the loop, tried at 89,",
+        "held.",
         "",
         "| | exact bytes | CUDA allocator (default) | expandable segments |",
         "|---|---|---|---|",
