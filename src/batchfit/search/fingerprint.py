@@ -38,6 +38,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from batchfit import _version
+from batchfit.devices.allocator_replay import SETTLE_STEPS
 from batchfit.devices.base import Device
 from batchfit.step.workload import Workload
 
@@ -410,6 +411,12 @@ def device_fields(device: Device) -> dict[str, Any]:
     }
 
 
+# What a trial runs, named: a new name whenever it changes what a trial measures (an answer cached before would
+# not be the one a search gives now). Now: the loop people write, a batch copied in every step, run on in the
+# caching allocator model in four orders until it settles (``batchfit.devices.allocator_replay``).
+TRIAL = f"the loop, four orders, settled within {SETTLE_STEPS} steps"
+
+
 def fingerprint_fields(workload: Workload, device: Device, settings: Mapping[str, Any]) -> dict[str, Any]:
     """Every field the fingerprint covers, as JSON-ready data. ``settings`` holds the search's
     own (bounds, margin, steps, strategy options) and anything the caller adds (sweep knobs)."""
@@ -429,6 +436,7 @@ def fingerprint_fields(workload: Workload, device: Device, settings: Mapping[str
         "settings": dict(settings),
         "torch": torch.__version__,
         "batchfit": _version.__version__,
+        "trial": TRIAL,
     }
 
 
