@@ -61,6 +61,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/offload.py
 	$(BIN)/python benchmarks/allocator.py
 	$(BIN)/python benchmarks/loop_campaign.py
+	$(BIN)/python benchmarks/readme_times.py
 	$(BIN)/python benchmarks/gpu_estimates.py
 	$(BIN)/python benchmarks/tokens.py
 	$(BIN)/python benchmarks/import_time.py

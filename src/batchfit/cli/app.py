@@ -26,6 +26,7 @@ from batchfit.cli.common import FrameworkOption
 from batchfit.cli.common import ImageSize
 from batchfit.cli.common import KeepOutput
 from batchfit.cli.common import SeqLen
+from batchfit.cli.common import SetOption
 from batchfit.cli.common import app
 from batchfit.cli.common import check_outputs
 from batchfit.cli.common import cli_errors
@@ -34,6 +35,7 @@ from batchfit.cli.common import errors
 from batchfit.cli.common import header_line
 from batchfit.cli.common import load_for_cli
 from batchfit.cli.common import parse_margin
+from batchfit.cli.common import print_answer
 from batchfit.cli.common import with_loop
 from batchfit.cli.progress import ConsoleProgress
 from batchfit.cli.report import breakdown_table
@@ -45,7 +47,9 @@ from batchfit.cli.report import write_json
 from batchfit.cli.workloads import describe_builtins
 from batchfit.cli.workloads import load_workload
 from batchfit.devices.base import Device
+from batchfit.devices.presets import is_preset
 from batchfit.devices.presets import preset
+from batchfit.devices.resolve import refuse_preset
 from batchfit.devices.resolve import resolve_device
 from batchfit.devices.trace import TraceDevice
 from batchfit.devices.trace import tracing
@@ -82,6 +86,11 @@ from batchfit.workflows.sharded_estimate import estimate_own_rank
 from batchfit.workflows.sharded_plan import plan_sharded
 from batchfit.workflows.verification import verification_device
 from batchfit.workflows.workload_plan import plan_workload
+
+NO_SETTINGS_FOR_CONFIG = (
+    "--set passes settings to a workload's own function; a model built from its config takes --seq-len and the "
+    "sharding options: drop --set, or give your own workload (file.py:function)"
+)
 
 
 @app.command(
@@ -123,6 +132,7 @@ def find(
     amp: AmpOption = None,
     keep_output: KeepOutput = True,
     framework: FrameworkOption = None,
+    model_settings: SetOption = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of peak memory against batch size here.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the batch size.")] = False,
@@ -137,10 +147,21 @@ def find(
     preset or a config.json, else the workload's own, copied) is sharded with FSDP2 over a fake
     process group of N ranks, and one rank's real trials run on this device: the largest
     micro-batch per rank."""
+    refuse_preset(device)
     loaded = functools.partial(
-        load_for_cli, workload, seq_len, image_size, amp, framework.value if framework else None, keep_output
+        load_for_cli,
+        workload,
+        seq_len,
+        image_size,
+        amp,
+        framework.value if framework else None,
+        keep_output,
+        model_settings,
     )
-    if route_workload(workload, parallel.asked) is Route.OWN:
+    route = route_workload(workload, parallel.asked)
+    if route is Route.CONFIG and model_settings:
+        raise InputError(NO_SETTINGS_FOR_CONFIG)
+    if route is Route.OWN:
         parallel.refuse_unused(rank)
         work, options = loaded()
         dev = device_for(work, device)
@@ -172,7 +193,7 @@ def find(
         _interrupted(done, dev)
         raise typer.Exit(130) from None
     if quiet:
-        console.print(result.batch_size)
+        print_answer(result.batch_size)
     else:
         print_result(console, result)
     if json_path is not None:
@@ -250,6 +271,7 @@ def estimate(
     image_size: ImageSize = None,
     amp: AmpOption = None,
     keep_output: KeepOutput = True,
+    model_settings: SetOption = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the estimate as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory curve here.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the largest batch size.")] = False,
@@ -269,12 +291,16 @@ def estimate(
         raise InputError(f"--batch-size must be a positive integer, got {batch_size}")
     route = route_workload(workload, parallel.asked)
     if route is Route.OWN_RANK and (":" in workload or workload in BUILTIN_WORKLOADS):
-        loaded = functools.partial(load_for_cli, workload, seq_len, image_size, amp, keep_output=keep_output)
+        loaded = functools.partial(
+            load_for_cli, workload, seq_len, image_size, amp, keep_output=keep_output, settings=model_settings
+        )
         work, options = rank_workload(workload, seq_len, parallel.choices(activation_checkpointing), 0, loaded)
         check_outputs(json_path, plot)
         _estimate_own_rank(work, options, TraceDevice(gpu or capacity), batch_size, json_path, quiet)
         return
     if route is not Route.OWN:  # a model from its config (a name that is neither is refused there, in one line)
+        if model_settings:
+            raise InputError(NO_SETTINGS_FOR_CONFIG)
         check_outputs(json_path, plot)
         choices = parallel.choices(activation_checkpointing)
         sharded.estimate_sharded(workload, gpu or capacity, batch_size, seq_len, choices, json_path, quiet)
@@ -283,7 +309,7 @@ def estimate(
     reserve_bytes = None if reserve is None else parse_bytes(reserve, what="reserve", allow_zero=True)
     label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
     tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes, allocator=allocator.value if allocator else None)
-    work, options = load_for_cli(workload, seq_len, image_size, amp, keep_output=keep_output)
+    work, options = load_for_cli(workload, seq_len, image_size, amp, keep_output=keep_output, settings=model_settings)
     check_outputs(json_path, plot)
     label = label or f"a {format_bytes(tracer.capacity_bytes())} device"
     if not quiet:
@@ -299,7 +325,7 @@ def estimate(
         warnings.simplefilter("ignore", UserWarning)
         breakdown = estimate_workload(work, at, device=tracer)
     if quiet:
-        console.print(largest.batch_size)
+        print_answer(largest.batch_size)
     else:
         _print_estimate(largest, breakdown, batch_size)
     if json_path is not None:
@@ -329,7 +355,7 @@ def _estimate_own_rank(
         console.print(one_rank.header(work, tracer, command="estimate"), highlight=False)
     found = estimate_own_rank(work, tracer, batch_size=batch_size, progress=ConsoleProgress())
     if quiet:
-        console.print(found.search.batch_size)
+        print_answer(found.search.batch_size)
     else:
         print_result(console, found.search)
         if found.at is not None:
@@ -418,6 +444,7 @@ def optimal(
     image_size: ImageSize = None,
     amp: AmpOption = None,
     keep_output: KeepOutput = True,
+    model_settings: SetOption = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
     plot: Annotated[
         Path | None, typer.Option(help="Write a PNG of throughput and memory against batch size here.")
@@ -425,8 +452,8 @@ def optimal(
     debug: Debug = False,
 ) -> None:
     """Maximum is not optimal: time steps across batch sizes and pick the throughput-optimal one."""
-
-    work, options = load_for_cli(workload, seq_len, image_size, amp, keep_output=keep_output)
+    refuse_preset(device)
+    work, options = load_for_cli(workload, seq_len, image_size, amp, keep_output=keep_output, settings=model_settings)
     dev = resolve_device(device, work.model)
     check_outputs(json_path, plot)
     console.print(header_line(work, dev, "optimal"))
@@ -539,6 +566,7 @@ def plan(
         str, typer.Option(help="Headroom kept when measuring: bytes, a size like 512MiB, or a fraction like 0.05.")
     ] = "0",
     keep_output: KeepOutput = True,
+    model_settings: SetOption = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write BatchPlan.to_dict() here.")] = None,
     gpu: Annotated[
         str | None,
@@ -568,8 +596,17 @@ def plan(
     the window's gradients held through forward and backward (as a later micro-batch runs), and
     the plan uses that answer. An LLM preset or a config.json with --gpu and --gpus N (or --nodes
     and --gpus-per-node) is traced per rank under FSDP2 for each activation-checkpointing choice."""
+    refuse_preset(device)
     if workload is not None and micro_batch_size is not None:
         raise InputError("give either --micro-batch-size N or a WORKLOAD to measure it on, not both")
+    if workload is None:
+        devices = _devices_without_workload(
+            devices, parallel, gpu, device, margin, keep_output, activation_checkpointing
+        )
+    elif gpu is not None and device != "auto":
+        raise InputError(
+            f"give --gpu {gpu} (trace the workload for that GPU, nothing runs) or --device {device} (measure on it), not both"
+        )
     check_outputs(json_path)
     settings = SearchSettings(margin=parse_margin(margin))  # checked before any work
     planning = functools.partial(
@@ -594,6 +631,8 @@ def plan(
         if devices is not None and devices != world[0]:
             raise InputError(f"--devices {devices} disagrees with the {world[0]} ranks of --gpus/--nodes: give one")
         if route is Route.CONFIG:
+            if model_settings:
+                raise InputError(NO_SETTINGS_FOR_CONFIG)
             choices = parallel.choices(activation_checkpointing or "none,full")
             if verify and parallel.cpu_offload:
                 raise InputError(
@@ -606,8 +645,12 @@ def plan(
             return
         ranks = parallel.choices(activation_checkpointing or "none")
         devices = world[0]
-    else:
+    elif workload is not None:
         parallel.refuse_unused()
+        if activation_checkpointing is not None:
+            raise InputError(
+                "--activation-checkpointing applies to a model traced per rank: add --gpus N, or give an LLM preset"
+            )
     if verify:
         raise InputError(
             "--verify confirms a plan traced on fake tensors: give a model from its config with --gpus and --gpu "
@@ -619,20 +662,71 @@ def plan(
             raise InputError("give --micro-batch-size N, or a WORKLOAD to measure it on")
         result = planning(micro_batch_size=micro_batch_size)
     else:
-        work = with_loop(load_workload(workload, framework=None, seq_len=seq_len, only_accepted=True), keep_output)
+        loaded = load_workload(
+            workload, framework=None, seq_len=seq_len, only_accepted=True, settings=model_settings or ()
+        )
+        work = with_loop(loaded, keep_output)
         if ranks is not None:
             work, _ = rank_workload(workload, seq_len, ranks, 0, lambda: (work, {}))
+        target = TraceDevice(gpu) if gpu is not None else device_for(work, device)
+        if gpu is not None:
+            console.print(
+                f"Tracing {work.name} for {escape(preset(gpu).label if is_preset(gpu) else gpu)} on fake tensors: "
+                "nothing runs on a GPU.",
+                highlight=False,
+            )
         found = plan_workload(
             work,
             lambda largest: planning(micro_batch_size=largest),
             settings,
-            device=device_for(work, device),
+            device=target,
             progress=ConsoleProgress(),
         )
         result = found.plan
     _print_plan(result)
     if json_path is not None:
         write_json(json_path, result.to_dict())
+
+
+def _devices_without_workload(
+    devices: int | None,
+    parallel: sharded.ParallelOptions,
+    gpu: str | None,
+    device: str,
+    margin: str,
+    keep_output: bool,
+    activation_checkpointing: str | None,
+) -> int | None:
+    """The devices a plan without a workload spreads over: ``--devices``, or ``--gpus``/``--nodes`` (the same
+    number, given either way); every option that only a measured or traced workload reads is refused."""
+    unused = [
+        flag
+        for flag, given in (
+            (f"--gpu {gpu}", gpu is not None),
+            (f"--device {device}", device != "auto"),
+            (f"--margin {margin}", margin != "0"),
+            ("--no-keep-output", not keep_output),
+            ("--activation-checkpointing", activation_checkpointing is not None),
+            ("--fsdp", parallel.fsdp),
+            ("--hybrid-shard", parallel.hybrid_shard),
+            ("--param-dtype", parallel.param_dtype is not None),
+            ("--reduce-dtype", parallel.reduce_dtype is not None),
+            ("--cpu-offload", parallel.cpu_offload),
+        )
+        if given
+    ]
+    if unused:
+        raise InputError(
+            f"{', '.join(unused)} {'apply' if len(unused) > 1 else 'applies'} to a WORKLOAD the plan measures or "
+            "traces: give one (e.g. batchfit plan my_model.py:build --gpu a100-40gb), or drop "
+            f"{'them' if len(unused) > 1 else 'it'}"
+        )
+    if parallel.gpus is None and parallel.nodes is None:
+        return devices
+    world = parallel.world()[0]
+    if devices is not None and devices != world:
+        raise InputError(f"--devices {devices} disagrees with the {world} GPUs of --gpus/--nodes: give one")
+    return world
 
 
 def _plan_sharded(

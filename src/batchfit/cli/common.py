@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
+import sys
 import traceback
 from collections.abc import Callable
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -78,6 +82,14 @@ SeqLen = Annotated[int | None, typer.Option(help="Sequence length, for workloads
 ImageSize = Annotated[int | None, typer.Option(help="Image side in pixels, for workloads that take one.")]
 AmpOption = Annotated[Amp | None, typer.Option(help="Mixed precision: bf16 or fp16.")]
 Debug = Annotated[bool, typer.Option(help="Show tracebacks.")]
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="A parameter of the workload's function, KEY=VALUE (repeat it), typed as the function annotates it: "
+        "--set n_layer=12 --set dropout=0.0.",
+    ),
+]
 FrameworkOption = Annotated[
     Framework | None,
     typer.Option(
@@ -104,15 +116,19 @@ def load_for_cli(
     amp: Amp | None,
     framework: str | None = "torch",
     keep_output: bool = True,
+    settings: list[str] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """The workload and the options that reached it (for the JSON); ``framework=None`` accepts MLX ones too.
-    ``keep_output`` sets which loop a torch workload's probe models (``Workload.keep_output``)."""
+    ``keep_output`` sets which loop a torch workload's probe models (``Workload.keep_output``); ``settings`` are
+    the ``--set KEY=VALUE`` ones, passed to the workload's function typed as it annotates them."""
     for flag, size in (("--seq-len", seq_len), ("--image-size", image_size)):
         if size is not None and size > LARGEST_SIZE:  # the workload's own check takes the small ones
             raise InputError(f"{flag} must be at most {LARGEST_SIZE:,} (2**31 - 1), got {size}")
     options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
-    work = with_loop(load_workload(workload, framework=framework, **options), keep_output)
+    work = with_loop(load_workload(workload, framework=framework, settings=settings or (), **options), keep_output)
     used = {key: value for key, value in options.items() if value is not None}
+    if settings:
+        used["set"] = list(settings)
     if isinstance(work, Workload):
         used["keep_output"] = work.keep_output
     return work, used
@@ -139,6 +155,34 @@ def check_outputs(json_path: Path | None = None, plot: Path | None = None) -> No
         load_pyplot()
 
 
+_ANSWER_STREAM: contextvars.ContextVar[Any] = contextvars.ContextVar("answer_stream", default=None)
+
+
+@contextlib.contextmanager
+def answer_alone(quiet: bool) -> Iterator[None]:
+    """With ``--quiet`` stdout is batchfit's: it carries the answer (``print_answer``) and nothing else, so
+    ``BS=$(batchfit find ... --quiet)`` reads a number; whatever else writes to stdout meanwhile (a workload
+    that prints its parameter count) goes to stderr."""
+    if not quiet:
+        yield
+        return
+    token = _ANSWER_STREAM.set(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _ANSWER_STREAM.reset(token)
+
+
+def print_answer(value: object) -> None:
+    """The answer on stdout: the stream ``answer_alone`` kept for it under ``--quiet``, else the console's."""
+    stream = _ANSWER_STREAM.get()
+    if stream is None:
+        console.print(value)
+    else:
+        print(value, file=stream, flush=True)
+
+
 def cli_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     """One line on stderr and exit code 2 for the user's mistakes (the traceback only with
     --debug); any other error keeps its traceback, asks to be reported, and exits with 1."""
@@ -146,7 +190,8 @@ def cli_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return command(*args, **kwargs)
+            with answer_alone(bool(kwargs.get("quiet"))):
+                return command(*args, **kwargs)
         except TYPER_EXITS:
             raise  # typer's own exits and usage errors
         except USER_ERRORS as error:

@@ -20,6 +20,7 @@ import typer
 from rich.table import Table
 
 from batchfit.cli.common import console
+from batchfit.cli.common import print_answer
 from batchfit.cli.progress import ConsoleProgress
 from batchfit.cli.report import write_json
 from batchfit.devices.units import format_bytes
@@ -35,7 +36,10 @@ from batchfit.workflows.sharded_estimate import estimate_config
 
 Gpus = Annotated[
     int | None,
-    typer.Option(help="Ranks in all (GPUs over every node): memory per rank, under FSDP2 over a fake process group."),
+    typer.Option(
+        help="GPUs in all (over every node). A plan spreads the global batch over them; with a model, memory is "
+        "per rank, under FSDP2 over a fake process group."
+    ),
 ]
 Nodes = Annotated[int | None, typer.Option(help="Nodes; with --gpus-per-node, the ranks are their product.")]
 GpusPerNode = Annotated[int | None, typer.Option(help="Ranks per node (hybrid shard splits within a node).")]
@@ -229,7 +233,7 @@ def estimate_sharded(
         workload, capacity, choices, batch_size=batch_size, seq_len=seq_len, progress=ConsoleProgress()
     )
     if quiet:
-        console.print(found.choices[0].largest.batch_size)
+        print_answer(found.choices[0].largest.batch_size)
     else:
         _print_sharded(found)
     if json_path is not None:

@@ -23,6 +23,7 @@ from batchfit.cli.common import console
 from batchfit.cli.common import parse_margin
 from batchfit.cli.workloads import load_workload
 from batchfit.cli.workloads import resolve_factory
+from batchfit.devices.resolve import refuse_preset
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
@@ -135,6 +136,7 @@ def sweep(
     debug: Debug = False,
 ) -> None:
     """The largest batch of every configuration in a grid, each searched from an estimate."""
+    refuse_preset(device)
     knobs = parse_grid(grid)
     fixed = {
         "seq_len": seq_len,

@@ -13,6 +13,7 @@ from batchfit.cli import sharded
 from batchfit.cli.common import AmpOption
 from batchfit.cli.common import Debug
 from batchfit.cli.common import KeepOutput
+from batchfit.cli.common import SetOption
 from batchfit.cli.common import app
 from batchfit.cli.common import check_outputs
 from batchfit.cli.common import cli_errors
@@ -23,6 +24,7 @@ from batchfit.cli.common import with_loop
 from batchfit.cli.progress import ConsoleProgress
 from batchfit.cli.report import write_json
 from batchfit.cli.workloads import load_workload
+from batchfit.devices.resolve import refuse_preset
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 from batchfit.parallel.settings import Parallelism
@@ -72,6 +74,7 @@ def tokens(
     ] = True,
     amp: AmpOption = None,
     keep_output: KeepOutput = True,
+    model_settings: SetOption = None,
     gpu: Annotated[
         str | None,
         typer.Option(help="For a model from its config: a GPU preset (h100-80gb) or a size (80GiB) per rank."),
@@ -93,9 +96,12 @@ def tokens(
 
     An LLM preset or a config.json (with --gpus N and --gpu) is traced per rank under FSDP2, each bucket
     padded, and with --verify proved by one rank's real trials."""
+    refuse_preset(device)
     lengths = bucket_lengths(parse_buckets(buckets) if buckets is not None else None, max_seq_len, num_buckets)
     check_outputs(json_path)
     if route_workload(workload, parallel.asked) is Route.CONFIG:
+        if model_settings:
+            raise InputError("--set passes settings to a workload's own function: a model from its config has none")
         if forward or packed or device != "auto" or amp is not None:
             raise InputError(
                 "a model from its config is traced per rank on padded token ids: drop --forward, --packed, --device "
@@ -109,7 +115,7 @@ def tokens(
             "for a workload of your own, run it on the device with --device"
         )
     options = {"seq_len": lengths[-1], "amp_dtype": amp.value if amp else None}
-    work = with_loop(load_workload(workload, only_accepted=True, **options), keep_output)
+    work = with_loop(load_workload(workload, only_accepted=True, settings=model_settings or (), **options), keep_output)
     dev = device_for(work, device)
     console.print(header_line(work, dev, "tokens"))
     console.print(f"Buckets (longest sequence of each): {', '.join(map(str, lengths))}")

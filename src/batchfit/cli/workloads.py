@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
+import typing
 from collections.abc import Callable
 from collections.abc import Iterator
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +65,8 @@ def _import_mlx(module: str = "batchfit.integrations.mlx") -> Any:
 
 
 def _load_file(path: Path) -> Any:
+    """The module of a workload file, imported as ``python path/to/file.py`` runs it: the file's folder first on
+    ``sys.path``, so the modules beside it (``from model import GPT``) import."""
     if not path.is_file():
         raise InputError(f"workload file {path} does not exist: give {SPEC_HELP}")
     name = f"batchfit_user_{path.stem}"
@@ -67,9 +74,11 @@ def _load_file(path: Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        with importable_from(path.resolve().parent):
+            spec.loader.exec_module(module)
     except ModuleNotFoundError as error:
         _raise_if_mlx_missing(error, str(path))
+        _raise_if_not_found(error, str(path))
         raise
     except SyntaxError as error:  # also a file that is not UTF-8 text
         raise InputError(f"workload file {path} is not valid Python: {error.msg}, line {error.lineno}") from None
@@ -77,20 +86,31 @@ def _load_file(path: Path) -> Any:
 
 
 @contextlib.contextmanager
-def _current_folder_importable() -> Iterator[None]:
-    """The current folder first on ``sys.path`` while a module is imported, as ``python -m`` has it
-    (the ``batchfit`` script alone would not find ``mypkg.workloads`` in the folder it runs in)."""
-    folder = os.getcwd()
-    sys.path.insert(0, folder)
+def importable_from(folder: Path | str) -> Iterator[None]:
+    """``folder`` first on ``sys.path`` while the block runs, then ``sys.path`` as it was: a workload file's
+    folder (as ``python file.py`` has it), or the current folder for ``module:function`` (as ``python -m``
+    has it; the ``batchfit`` script alone would not find ``mypkg.workloads`` in the folder it runs in).
+
+    >>> with importable_from("/nowhere"):
+    ...     sys.path[0]
+    '/nowhere'
+    >>> "/nowhere" in sys.path
+    False
+    """
+    entry = str(folder)
+    sys.path.insert(0, entry)
     try:
         yield
     finally:
-        sys.path.remove(folder)
+        if sys.path and sys.path[0] == entry:
+            del sys.path[0]
+        elif entry in sys.path:
+            sys.path.remove(entry)
 
 
 def _load_module(name: str) -> Any:
     try:
-        with _current_folder_importable():
+        with importable_from(os.getcwd()):
             return importlib.import_module(name)
     except ModuleNotFoundError as error:
         if error.name and name.startswith(error.name):
@@ -98,7 +118,17 @@ def _load_module(name: str) -> Any:
                 f"no module named {name!r}: check the spelling or run from its folder ({SPEC_HELP})"
             ) from None
         _raise_if_mlx_missing(error, name)
+        _raise_if_not_found(error, name)
         raise
+
+
+def _raise_if_not_found(error: ModuleNotFoundError, where: str) -> None:
+    """A module the workload imports that is neither installed nor beside it: one line naming both places."""
+    if error.name and error.name.split(".")[0] not in sys.stdlib_module_names:
+        raise InputError(
+            f"{where} imports {error.name!r}, which is neither installed nor beside it: pip install it, or put "
+            f"{error.name.split('.')[0]}.py next to the workload file"
+        ) from None
 
 
 def _raise_if_mlx_missing(error: ModuleNotFoundError, where: str) -> None:
@@ -133,14 +163,35 @@ def resolve_factory(spec: str, framework: str | None = "torch") -> tuple[str, Ca
     factory = getattr(module, function, None)
     if not callable(factory):
         raise InputError(f"{where} has no function {function!r}: define it to return a batchfit.Workload")
-    return spec, factory
+    folder = Path(where).resolve().parent if where.endswith(".py") else Path.cwd()
+    return spec, _importing_from(folder, factory)
 
 
-def load_workload(spec: str, *, framework: str | None = "torch", only_accepted: bool = False, **options: Any) -> Any:
+def _importing_from(folder: Path, factory: Callable[..., Any]) -> Callable[..., Any]:
+    """``factory``, called with ``folder`` first on ``sys.path``: a workload that imports its model inside the
+    function finds it as the module's own imports did. Its signature is the factory's (``__wrapped__``)."""
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        with importable_from(folder):
+            return factory(*args, **kwargs)
+
+    return build
+
+
+def load_workload(
+    spec: str,
+    *,
+    framework: str | None = "torch",
+    only_accepted: bool = False,
+    settings: Sequence[str] = (),
+    **options: Any,
+) -> Any:
     """Build the workload named by ``spec``, passing the options it takes (``None`` ones are left out).
-    An option it does not take is an error, or, with ``only_accepted``, left out. ``framework``:
-    ``"torch"`` (a ``batchfit.Workload``), ``"mlx"`` (a ``batchfit.integrations.mlx.MlxWorkload``)
-    or ``None`` (either).
+    An option it does not take is an error, or, with ``only_accepted``, left out. ``settings`` are the
+    command line's ``--set KEY=VALUE``: each a parameter of the factory, typed as it is annotated
+    (``typed_settings``). ``framework``: ``"torch"`` (a ``batchfit.Workload``), ``"mlx"`` (a
+    ``batchfit.integrations.mlx.MlxWorkload``) or ``None`` (either).
 
     >>> load_workload("mlp").name
     'mlp'
@@ -149,12 +200,92 @@ def load_workload(spec: str, *, framework: str | None = "torch", only_accepted: 
     given = {key: value for key, value in options.items() if value is not None}
     if only_accepted:
         given = accepted_options(factory, given)
+    set_here = typed_settings(name, factory, settings)
+    clash = sorted(set(set_here) & set(given))
+    if clash:
+        raise InputError(f"{', '.join(clash)} is given twice (an option and --set): give it once")
+    given |= set_here
     check_options(name, factory, given)
     workload = factory(**given)
     _check_kind(name, workload, framework)
     if workload.name == type(workload.model).__name__:
         workload.name = name
     return workload
+
+
+def parse_settings(specs: Sequence[str]) -> dict[str, str]:
+    """``["n_layer=12", "bias=false"]`` as ``{"n_layer": "12", "bias": "false"}`` (``-`` in a key reads as ``_``).
+
+    >>> parse_settings(["n-layer=12", "dropout=0.1"])
+    {'n_layer': '12', 'dropout': '0.1'}
+    """
+    parsed: dict[str, str] = {}
+    for spec in specs:
+        key, equals, value = spec.partition("=")
+        key = key.strip().replace("-", "_")
+        if not equals or not key.isidentifier():
+            raise InputError(f"--set {spec!r} is not KEY=VALUE: write e.g. --set n_layer=12")
+        if key in parsed:
+            raise InputError(f"--set gives {key} twice: give it once")
+        parsed[key] = value.strip()
+    return parsed
+
+
+def typed_settings(name: str, factory: Callable[..., Any], specs: Sequence[str]) -> dict[str, Any]:
+    """The ``--set KEY=VALUE`` settings for ``factory`` (the workload ``name``), each converted to the type its
+    parameter is annotated with (``int``, ``float``, ``bool``, ``str``, and ``X | None`` of those); an
+    unannotated one is read as a Python literal (``12``, ``0.5``, ``True``, ``'gelu'``), else kept as text. A key
+    the factory does not take is refused, naming the ones it does.
+
+    >>> def gpt(n_layer: int = 12, dropout: float = 0.0, bias: bool = True, name="gpt"): ...
+    >>> typed_settings("gpt", gpt, ["n_layer=6", "dropout=0.1", "bias=false", "name=small"])
+    {'n_layer': 6, 'dropout': 0.1, 'bias': False, 'name': 'small'}
+    """
+    raw = parse_settings(specs)
+    if not raw:
+        return {}
+    parameters = _parameters(factory)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    unknown = [key for key in raw if key not in parameters and not takes_any]
+    if unknown:
+        takes = ", ".join(key for key, p in parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL)
+        raise InputError(f"workload {name} has no setting {', '.join(unknown)} for --set: it takes {takes or 'none'}")
+    return {key: _typed(key, text, parameters.get(key)) for key, text in raw.items()}
+
+
+def _parameters(factory: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    """The factory's parameters, annotations evaluated where they can be (left as written where not)."""
+    try:
+        return dict(inspect.signature(factory, eval_str=True).parameters)
+    except (NameError, TypeError, SyntaxError):
+        return dict(inspect.signature(factory).parameters)
+
+
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _typed(key: str, text: str, parameter: inspect.Parameter | None) -> Any:
+    """``text`` as the type ``parameter`` is annotated with; one line naming the type where it does not read."""
+    annotation = parameter.annotation if parameter is not None else inspect.Parameter.empty
+    kinds = [k for k in typing.get_args(annotation) if k is not type(None)] or [annotation]
+    if text.lower() in ("none", "null") and type(None) in typing.get_args(annotation):
+        return None
+    kind = kinds[0] if len(kinds) == 1 else None
+    if kind is bool:
+        if text.lower() not in _BOOLS:
+            raise InputError(f"--set {key}={text}: {key} takes true or false")
+        return _BOOLS[text.lower()]
+    if kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            raise InputError(f"--set {key}={text}: {key} takes {'an int' if kind is int else 'a number'}") from None
+    if kind is str:
+        return text
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def _check_kind(name: str, workload: Any, framework: str | None) -> None:

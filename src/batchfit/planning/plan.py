@@ -254,6 +254,20 @@ def _target_samples(target: BatchTarget) -> tuple[int, list[str]]:
     return samples, [f"{tokens} tokens is not a whole number of {seq_len}-token samples: aiming at {samples} samples"]
 
 
+def _smaller_exact(micro: int, ceiling: int, per_device: int) -> list[str]:
+    """Why the micro-batch is smaller than the one that fits, where it is (none when it is not).
+
+    >>> _smaller_exact(8, 12, 64)
+    ['the micro-batch is 8, not the 12 that fits: 8 is the largest that divides the 64 samples per device exactly (12 would need 5.33 accumulation steps)']
+    """
+    if micro == ceiling:
+        return []
+    return [
+        f"the micro-batch is {micro}, not the {ceiling} that fits: {micro} is the largest that divides the "
+        f"{per_device} samples per device exactly ({ceiling} would need {per_device / ceiling:.3g} accumulation steps)"
+    ]
+
+
 def _split(target: int, devices: int, largest_micro: int) -> tuple[int, int, list[str]]:
     """Micro-batch and accumulation for ``target`` samples on ``devices``: the largest exact
     micro-batch <= ``largest_micro``; when none is at least half of it, or the target does not
@@ -276,7 +290,7 @@ def _split(target: int, devices: int, largest_micro: int) -> tuple[int, int, lis
     if per_device == int(per_device):
         exact = next(m for m in range(ceiling, 0, -1) if int(per_device) % m == 0)
         if exact * 2 >= ceiling:
-            return exact, int(per_device) // exact, smaller
+            return exact, int(per_device) // exact, smaller + _smaller_exact(exact, ceiling, int(per_device))
     candidates = [(m, max(1, round(per_device / m))) for m in range(ceiling, (ceiling + 1) // 2 - 1, -1) if m >= 1]
     micro, accumulation = min(candidates, key=lambda c: (abs(c[0] * c[1] * devices - target), -c[0]))
     achieved = micro * accumulation * devices

@@ -5,8 +5,14 @@ fits (warm-up steps excluded, the median of several timed steps, the device sync
 refined near the knee. Step time is also fitted as t(B) = alpha + beta*B, whose throughput
 B/t(B) reaches a fraction f of its ceiling 1/beta at B = f/(1-f) * alpha/beta: the 90% knee is
 9*alpha/beta and the 95% knee 19*alpha/beta.
-"""
 
+Timings are noisy, and on some devices (a tiny model on a CPU) the batch hardly changes them. Each
+point keeps the spread of its timed steps; where the fit's per-sample cost is negative, or other sizes'
+fastest and slowest steps overlap the best's, those sizes are timed again with more steps (once).
+If every size then runs within the timing noise of the best (their interquartile ranges of samples/s
+overlap), or the per-sample cost is still negative, the result is marked not ``distinguishable``
+and says so, giving the smallest size within that noise. A time limit (``max_seconds``) starts no new
+size once it has passed, and the answer comes from what was measured.
 from __future__ import annotations
 
 import math
@@ -23,6 +29,7 @@ import torch
 
 from batchfit.devices.resolve import resolve_device
 from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.errors import NoBatchFitsError
 from batchfit.search.cached import CacheSpec
 from batchfit.search.prober import Prober
@@ -30,10 +37,14 @@ from batchfit.search.runner import DeviceSpec
 from batchfit.search.runner import search_workload
 from batchfit.search.runner import usable_bytes
 from batchfit.search.settings import SearchSettings
+from batchfit.search.settings import check_seconds
 from batchfit.search.strategies import Strategy
 from batchfit.step.workload import Workload
 from batchfit.throughput.result import ThroughputPoint
 from batchfit.throughput.result import ThroughputResult
+from batchfit.throughput.result import rate
+
+PointCallback = Callable[[ThroughputPoint], None]
 
 
 def _grid(low: int, top: int) -> list[int]:
@@ -56,33 +67,80 @@ def _fit_line(points: list[ThroughputPoint]) -> tuple[float, float]:
 
 
 class _Meter:
-    """Times a workload at one batch size after another, state restored after each."""
+    """Times a workload at one batch size after another, state restored after each; reports each point
+    to ``on_point``, and starts no new size once the prober's clock has passed ``deadline`` (the first
+    size always runs, so that there is an answer)."""
 
     def __init__(
-        self, prober: Prober, timing_warmup_steps: int, tokens_per_sample: int | None, dataset_size: int | None
+        self,
+        prober: Prober,
+        timing_warmup_steps: int,
+        tokens_per_sample: int | None,
+        dataset_size: int | None,
+        on_point: PointCallback | None = None,
+        deadline: float | None = None,
     ):
         self.prober, self.timing_warmup_steps = prober, timing_warmup_steps
         self.tokens_per_sample, self.dataset_size = tokens_per_sample, dataset_size
+        self.on_point, self.deadline = on_point, deadline
         self.points: dict[int, ThroughputPoint] = {}
+        self.cut_short = False
+
+    def has_time(self) -> bool:
+        """Whether a new size may start; once it may not, ``cut_short`` says so."""
+        if self.deadline is None or not self.points or self.prober.clock() < self.deadline:
+            return True
+        self.cut_short = True
+        return False
 
     def measure(self, batch_size: int) -> ThroughputPoint | None:
+        """The point at ``batch_size``, timed now unless it was before; ``None`` if it does not fit or no time is left."""
         if batch_size not in self.points:
+            if not self.has_time():
+                return None
             trial = self.prober.probe(batch_size)
             if not trial.fits:
                 return None
-            seconds = statistics.median(trial.step_seconds[self.timing_warmup_steps :])
-            rate = batch_size / seconds if seconds > 0 else math.inf
-            tokens = rate * self.tokens_per_sample if self.tokens_per_sample else None
-            epoch = math.ceil(self.dataset_size / batch_size) * seconds if self.dataset_size else None
-            self.points[batch_size] = ThroughputPoint(batch_size, seconds, rate, tokens, trial.peak_bytes, epoch)
+            self._keep(batch_size, trial.step_seconds[self.timing_warmup_steps :], trial.peak_bytes)
         return self.points[batch_size]
 
+    def retime(self, batch_size: int, extra_steps: int) -> bool:
+        """Time ``batch_size`` again for ``extra_steps`` more timed steps (after the warm-up ones), kept with
+        the steps timed before; false when no time was left or it did not fit this time."""
+        if not self.has_time():
+            return False
+        trial = self.prober.probe(batch_size, steps=self.timing_warmup_steps + extra_steps)
+        if not trial.fits:
+            return False
+        before = self.points[batch_size]
+        timed = (*before.timed_step_seconds, *trial.step_seconds[self.timing_warmup_steps :])
+        self._keep(batch_size, timed, before.peak_bytes)
+        return True
+
+    def _keep(self, batch_size: int, timed: tuple[float, ...], peak_bytes: int | None) -> None:
+        seconds = statistics.median(timed)
+        samples = rate(batch_size, seconds)
+        tokens = samples * self.tokens_per_sample if self.tokens_per_sample else None
+        epoch = math.ceil(self.dataset_size / batch_size) * seconds if self.dataset_size else None
+        point = ThroughputPoint(batch_size, seconds, samples, tokens, peak_bytes, epoch, tuple(timed))
+        self.points[batch_size] = point
+        if self.on_point is not None:
+            self.on_point(point)
+
+    def sorted(self) -> list[ThroughputPoint]:
+        return sorted(self.points.values(), key=lambda p: p.batch_size)
+
+    def best(self) -> ThroughputPoint:
+        return max(self.points.values(), key=lambda p: p.samples_per_second)
+
     def within(self, tolerance: float) -> list[ThroughputPoint]:
-        best = max(p.samples_per_second for p in self.points.values())
-        return sorted(
-            (p for p in self.points.values() if p.samples_per_second >= (1 - tolerance) * best),
-            key=lambda p: p.batch_size,
-        )
+        best = self.best().samples_per_second
+        return [p for p in self.sorted() if p.samples_per_second >= (1 - tolerance) * best]
+
+    def within_noise(self) -> list[ThroughputPoint]:
+        """The points whose samples/s at the fast end of their spread reach the best's at its slow end."""
+        slowest_best = self.best().samples_per_second_low
+        return [p for p in self.sorted() if p.samples_per_second_high >= slowest_best]
 
 
 def _refine(meter: _Meter, tolerance: float, rounds: int) -> None:
@@ -97,9 +155,69 @@ def _refine(meter: _Meter, tolerance: float, rounds: int) -> None:
             return
 
 
-def _choose(meter: _Meter, tolerance: float, time_budget_seconds: float | None) -> tuple[int, str, list[str]]:
+def _suspects(meter: _Meter) -> list[int]:
+    """The sizes to time again: all of them where the fitted per-sample cost is negative, else those whose
+    range of timed steps (fastest to slowest) overlaps the best's, where that is more than the best alone."""
+    points = meter.sorted()
+    if len(points) < 2:
+        return []
+    if _fit_line(points)[1] < 0:
+        return [p.batch_size for p in points]
+    best = meter.best()
+    slowest_best = rate(best.batch_size, max(best.timed_step_seconds, default=best.step_seconds))
+    near = [
+        p.batch_size
+        for p in points
+        if rate(p.batch_size, min(p.timed_step_seconds, default=p.step_seconds)) >= slowest_best
+    ]
+    return near if len(near) > 1 else []
+
+
+def _retime(meter: _Meter, extra_steps: int) -> list[int]:
+    """Time the suspect sizes again (once), ``extra_steps`` more timed steps each; the sizes timed again."""
+    retimed = []
+    for size in _suspects(meter) if extra_steps else []:
+        if not meter.retime(size, extra_steps):
+            break
+        retimed.append(size)
+    return retimed
+
+
+def _verdict(meter: _Meter, beta: float) -> tuple[bool, str]:
+    """Whether the timings tell the sizes apart, and one line saying what they could tell."""
+    points, best = meter.sorted(), meter.best()
+    if len(points) < 2:
+        return True, f"only batch size {best.batch_size} was timed: there was nothing to compare it with"
+    cannot = "the timings cannot tell these sizes apart on this device"
+    if beta < 0:
+        return False, (
+            f"{cannot}: the step time fell as the batch grew (fitted {beta * 1000:.3g} ms per sample), "
+            "which more work per step cannot do: noise, not the batch, decided which size looked fastest"
+        )
+    noisy = meter.within_noise()
+    best_rate = f"{best.samples_per_second:,.1f} samples/s at {best.batch_size}"
+    if len(noisy) == len(points):
+        return False, (
+            f"{cannot}: every size from {points[0].batch_size} to {points[-1].batch_size} "
+            f"runs within the timing noise of the best ({best_rate})"
+        )
+    return True, (
+        f"the timings tell the sizes apart: {len(points) - len(noisy)} of the {len(points)} sizes timed "
+        f"run slower than the best ({best_rate}) beyond the timing noise"
+    )
+
+
+def _choose(
+    meter: _Meter, tolerance: float, time_budget_seconds: float | None, distinguishable: bool = True
+) -> tuple[int, str, list[str]]:
+    """The size given, the rule that gave it, and notes: the smallest within ``tolerance`` of the best (where
+    the timings cannot tell the sizes apart, the smallest within the timing noise or ``tolerance`` of the
+    best); with ``time_budget_seconds``, the smallest whose projected epoch fits it."""
     candidates = meter.within(tolerance)
     reason = f"It is the smallest batch within {tolerance:.0%} of the best throughput."
+    if not distinguishable:
+        candidates = sorted({*candidates, *meter.within_noise()}, key=lambda p: p.batch_size)
+        reason = f"It is the smallest batch within the timing noise or {tolerance:.0%} of the best throughput."
     if time_budget_seconds is None:
         return candidates[0].batch_size, reason, []
     fitting = sorted(
