@@ -198,7 +198,7 @@ TABLE: list[BadInput] = [
              args=("find", "mlp", "--device", "sim:64MiB", "--rank", "1", "--json", "{tmp}/out.json")),
     BadInput("cli-param-dtype-without-gpus", "wrong type", r"--param-dtype only applies to a sharded run",
              args=("estimate", "mlp", "--gpu", "a100-40gb", "--param-dtype", "bf16")),
-    BadInput("cli-dtypes-without-gpus", "wrong type", r"--param-dtype, --reduce-dtype only apply to a sharded",
+    BadInput("cli-dtypes-without-gpus", "wrong type", r"--param-dtype, --reduce-dtype apply to a WORKLOAD the plan",
              args=("plan", "--micro-batch-size", "4", "--global-batch-size", "8", "--param-dtype", "bf16",
                    "--reduce-dtype", "fp32")),
     BadInput("cli-estimate-reserve-above-capacity", "nonsense capacity", r"reserve_bytes must be in \[0, ",

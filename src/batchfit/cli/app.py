@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -75,7 +76,9 @@ from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import STRATEGIES
 from batchfit.search.trial import Trial
 from batchfit.step.builtin_workloads import BUILTIN_WORKLOADS
+from batchfit.throughput import ThroughputPoint
 from batchfit.throughput import ThroughputResult
+from batchfit.throughput import check_max_seconds
 from batchfit.throughput import optimal_for_workload
 from batchfit.workflows.rank_workloads import rank_workload
 from batchfit.workflows.ranks import capacity_of
@@ -266,6 +269,20 @@ def estimate(
         str | None, typer.Option(help="Override the preset's per-process reserve, e.g. 500MiB or 0.")
     ] = None,
     allocator: AllocatorOption = None,
+    margin: Annotated[
+        str,
+        typer.Option(
+            help="Headroom: bytes, a size like 512MiB, or a fraction like 0.05. auto: none, or 5% of the card where "
+            "the trace ran something only the card sizes (cuDNN's convolution workspaces)."
+        ),
+    ] = "auto",
+    accumulating: Annotated[
+        bool,
+        typer.Option(
+            help="Estimate a later micro-batch of an accumulation window: the gradients held through forward and "
+            "backward, as training with gradient accumulation runs."
+        ),
+    ] = False,
     batch_size: Annotated[int | None, typer.Option(help="Say whether this batch size fits, and break it down.")] = None,
     seq_len: SeqLen = None,
     image_size: ImageSize = None,
@@ -290,26 +307,37 @@ def estimate(
     if batch_size is not None and batch_size < 1:
         raise InputError(f"--batch-size must be a positive integer, got {batch_size}")
     route = route_workload(workload, parallel.asked)
+    if reserve is not None and gpu is None:
+        raise InputError("--reserve overrides a GPU preset's reserve: give --gpu, or a smaller --capacity instead")
+    reserve_bytes = None if reserve is None else parse_bytes(reserve, what="reserve", allow_zero=True)
+    allocator_kind = allocator.value if allocator else None
     if route is Route.OWN_RANK and (":" in workload or workload in BUILTIN_WORKLOADS):
+        _refuse_per_rank(margin=margin, accumulating=accumulating)
         loaded = functools.partial(
             load_for_cli, workload, seq_len, image_size, amp, keep_output=keep_output, settings=model_settings
         )
         work, options = rank_workload(workload, seq_len, parallel.choices(activation_checkpointing), 0, loaded)
         check_outputs(json_path, plot)
-        _estimate_own_rank(work, options, TraceDevice(gpu or capacity), batch_size, json_path, quiet)
+        tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes, allocator=allocator_kind)
+        _estimate_own_rank(work, options, tracer, batch_size, json_path, quiet)
         return
     if route is not Route.OWN:  # a model from its config (a name that is neither is refused there, in one line)
         if model_settings:
             raise InputError(NO_SETTINGS_FOR_CONFIG)
+        _refuse_per_rank(margin=margin, accumulating=accumulating, reserve=reserve, allocator=allocator_kind)
         check_outputs(json_path, plot)
         choices = parallel.choices(activation_checkpointing)
         sharded.estimate_sharded(workload, gpu or capacity, batch_size, seq_len, choices, json_path, quiet)
         return
     parallel.refuse_unused()
-    reserve_bytes = None if reserve is None else parse_bytes(reserve, what="reserve", allow_zero=True)
+    headroom = None if margin == "auto" else parse_margin(margin)
+    SearchSettings(margin=headroom or 0)  # a bad margin fails here, before the model is built
     label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
-    tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes, allocator=allocator.value if allocator else None)
+    tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes, allocator=allocator_kind)
     work, options = load_for_cli(workload, seq_len, image_size, amp, keep_output=keep_output, settings=model_settings)
+    if accumulating:
+        work = dataclasses.replace(work, accumulating=True)
+        options["accumulating"] = True
     check_outputs(json_path, plot)
     label = label or f"a {format_bytes(tracer.capacity_bytes())} device"
     if not quiet:
@@ -319,19 +347,27 @@ def estimate(
             highlight=False,
         )
     with console.status("Tracing", spinner="dots"), tracing():
-        largest = search_workload(work, device=tracer, trace=False)
+        kept_bytes = _kept_bytes(headroom, tracer.capacity_bytes())
+        searched = _leaving(tracer, kept_bytes)
+        largest = search_workload(work, device=searched, trace=False)
+        if headroom is None and searched.not_counted:  # the answer must leave room for what only the card sizes
+            kept_bytes = int(UNCOUNTED_HEADROOM * tracer.capacity_bytes())
+            searched = _leaving(tracer, kept_bytes)
+            largest = search_workload(work, device=searched, trace=False)
     at = batch_size if batch_size is not None else largest.batch_size
     with warnings.catch_warnings():  # an under-count is said below, once, in the verdict's words
         warnings.simplefilter("ignore", UserWarning)
-        breakdown = estimate_workload(work, at, device=tracer)
+        breakdown = estimate_workload(work, at, device=searched)
     if quiet:
         print_answer(largest.batch_size)
     else:
         _print_estimate(largest, breakdown, batch_size)
+        _print_headroom(searched, kept_bytes, tracer.capacity_bytes(), margin == "auto")
     if json_path is not None:
         document = {
             "workload": {"name": work.name, "options": options},
             "device": {"name": tracer.name, "gpu": gpu, "capacity_bytes": tracer.capacity_bytes()},
+            "kept_free_bytes": kept_bytes,
             "largest_batch_size": largest.batch_size,
             "estimate": breakdown.to_dict(),
             "search": largest.to_dict(),
@@ -342,6 +378,57 @@ def estimate(
         from batchfit.cli.plots import plot_search
 
         plot_search(largest, plot)
+
+
+UNCOUNTED_HEADROOM = 0.05  # the share of the card an estimate leaves for what only the card sizes (cuDNN)
+
+
+def _refuse_per_rank(**given: Any) -> None:
+    """Options a per-rank estimate does not read, refused in one line (an option never passes unread)."""
+    defaults = {"margin": "auto", "accumulating": False, "reserve": None, "allocator": None}
+    unread = [f"--{name}" for name, value in given.items() if value != defaults[name]]
+    if unread:
+        raise InputError(
+            f"{', '.join(unread)} {'apply' if len(unread) > 1 else 'applies'} to a workload estimated on one device, "
+            "not per rank: drop it, or drop --gpus/--nodes"
+        )
+
+
+def _kept_bytes(headroom: int | float | str | None, capacity_bytes: int) -> int:
+    """The bytes a margin keeps free of ``capacity_bytes``: a fraction of it, a byte count or a size (``None``: 0)."""
+    if not headroom:
+        return 0
+    if isinstance(headroom, float):
+        return int(headroom * capacity_bytes)
+    return parse_bytes(headroom) if isinstance(headroom, str) else int(headroom)
+
+
+def _leaving(tracer: TraceDevice, kept_bytes: int) -> TraceDevice:
+    """``tracer`` with ``kept_bytes`` fewer to give: its caching allocator and its live bytes both stop short of
+    them, so what the margin keeps is free on the card (a cuDNN workspace is a request to the same allocator)."""
+    if not kept_bytes:
+        return tracer
+    usable = tracer.capacity_bytes() - kept_bytes
+    if usable <= 0:
+        raise InputError(f"--margin keeps {format_bytes(kept_bytes)}, all of {tracer.name}'s memory: give less")
+    return TraceDevice(
+        usable, rounding_bytes=tracer.counter.rounding_bytes, allocator=tracer.allocator_settings or "exact",
+        target=tracer.target,
+    )  # fmt: skip
+
+
+def _print_headroom(searched: TraceDevice, kept_bytes: int, capacity_bytes: int, automatic: bool) -> None:
+    """What the answer leaves free, and why: a margin asked for, or the share left for what the trace cannot size."""
+    if not kept_bytes:
+        return
+    why = (
+        f"for what only the card sizes ({'; '.join(searched.not_counted)}); --margin 0 uses it all"
+        if automatic
+        else "the margin asked for"
+    )
+    console.print(
+        f"The answer leaves {format_bytes(kept_bytes)} of {format_bytes(capacity_bytes)} free: {why}.", highlight=False
+    )
 
 
 def _estimate_own_rank(
@@ -449,15 +536,25 @@ def optimal(
     plot: Annotated[
         Path | None, typer.Option(help="Write a PNG of throughput and memory against batch size here.")
     ] = None,
+    max_seconds: Annotated[
+        float | None,
+        typer.Option(help="Time no new batch size after this many seconds (the search for the largest included)."),
+    ] = None,
     debug: Debug = False,
 ) -> None:
     """Maximum is not optimal: time steps across batch sizes and pick the throughput-optimal one."""
     refuse_preset(device)
+    check_max_seconds(max_seconds)
     work, options = load_for_cli(workload, seq_len, image_size, amp, keep_output=keep_output, settings=model_settings)
     dev = resolve_device(device, work.model)
     check_outputs(json_path, plot)
     console.print(header_line(work, dev, "optimal"))
-    with console.status("Finding the largest batch, then timing steps across batch sizes", spinner="dots"):
+    with console.status("Finding the largest batch, then timing steps across batch sizes", spinner="dots") as status:
+
+        def timed(point: ThroughputPoint) -> None:
+            console.print(escape(_timed_line(point)), highlight=False)
+            status.update(f"Timed batch size {point.batch_size}; timing the next")
+
         result = optimal_for_workload(
             work,
             device=dev,
@@ -467,12 +564,14 @@ def optimal(
             timing_warmup_steps=timing_warmup_steps,
             timed_steps=timed_steps,
             tokens_per_sample=seq_len,
+            on_point=timed,
+            max_seconds=max_seconds,
         )
     console.print(throughput_table(result))
     knees = ", ".join(f"{int(f * 100)}% at {k:,.0f}" for f in (0.9, 0.95) if (k := result.knee(f)) is not None)
     console.print(
         f"Fitted step time {result.alpha_seconds * 1000:.2f} ms + {result.beta_seconds_per_sample * 1000:.3f} ms x batch; "
-        f"throughput knees: {knees or 'none (no fixed cost measured)'}.",
+        f"throughput knees: {knees or 'none (' + result.no_knee_reason + ')'}.",
         highlight=False,
     )
     for note in result.notes:
@@ -494,6 +593,15 @@ def optimal(
         from batchfit.cli.plots import plot_throughput
 
         plot_throughput(result, plot)
+
+
+def _timed_line(point: ThroughputPoint) -> str:
+    """One line per size as it is timed: ``Batch size 64: 1,234 samples/s (1,200-1,260), 51.9 ms a step``."""
+    return (
+        f"Batch size {point.batch_size}: {point.samples_per_second:,.0f} samples/s "
+        f"({point.samples_per_second_low:,.0f}-{point.samples_per_second_high:,.0f}), "
+        f"{point.step_seconds * 1000:.1f} ms a step"
+    )
 
 
 def _print_goodput(result: ThroughputResult, noise_scale: float) -> Goodput:
@@ -705,7 +813,7 @@ def _devices_without_workload(
             (f"--gpu {gpu}", gpu is not None),
             (f"--device {device}", device != "auto"),
             (f"--margin {margin}", margin != "0"),
-            ("--no-keep-output", not keep_output),
+            ("--drop-output", not keep_output),
             ("--activation-checkpointing", activation_checkpointing is not None),
             ("--fsdp", parallel.fsdp),
             ("--hybrid-shard", parallel.hybrid_shard),

@@ -1,7 +1,9 @@
 """The throughput-optimal batch, built on the search: the largest batch that fits bounds a grid of batch sizes,
 each timed in steady state (state restored after each), and the smallest batch within a tolerance of the best
 samples/s is chosen, with the fitted step time t(B) = alpha + beta*B and its knees (``optimal``), returned as
-a ``ThroughputResult`` of ``ThroughputPoint`` s (``result``).
+a ``ThroughputResult`` of ``ThroughputPoint`` s (``result``). Each point keeps the spread of its timed steps, and
+the result says when the timings cannot tell the sizes apart (``distinguishable``, ``verdict``); a callback
+(``on_point``) hears of each size as it is timed, and ``max_seconds`` bounds the whole of it.
 
 May import ``step``, ``devices``, ``search`` and ``errors``; never ``runtime``, ``sweep``, ``cli`` or
 ``integrations``. The workflows, the integrations and the CLI import it.
@@ -9,6 +11,7 @@ May import ``step``, ``devices``, ``search`` and ``errors``; never ``runtime``, 
 
 from __future__ import annotations
 
+from batchfit.throughput.optimal import check_max_seconds
 from batchfit.throughput.optimal import check_maximum
 from batchfit.throughput.optimal import find_optimal_batch_size
 from batchfit.throughput.optimal import optimal_for_workload
@@ -18,6 +21,7 @@ from batchfit.throughput.result import ThroughputResult
 __all__ = [
     "ThroughputPoint",
     "ThroughputResult",
+    "check_max_seconds",
     "check_maximum",
     "find_optimal_batch_size",
     "optimal_for_workload",

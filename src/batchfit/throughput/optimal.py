@@ -13,6 +13,8 @@ If every size then runs within the timing noise of the best (their interquartile
 overlap), or the per-sample cost is still negative, the result is marked not ``distinguishable``
 and says so, giving the smallest size within that noise. A time limit (``max_seconds``) starts no new
 size once it has passed, and the answer comes from what was measured.
+"""
+
 from __future__ import annotations
 
 import math
@@ -127,7 +129,7 @@ class _Meter:
         if self.on_point is not None:
             self.on_point(point)
 
-    def sorted(self) -> list[ThroughputPoint]:
+    def ordered(self) -> list[ThroughputPoint]:
         return sorted(self.points.values(), key=lambda p: p.batch_size)
 
     def best(self) -> ThroughputPoint:
@@ -135,12 +137,12 @@ class _Meter:
 
     def within(self, tolerance: float) -> list[ThroughputPoint]:
         best = self.best().samples_per_second
-        return [p for p in self.sorted() if p.samples_per_second >= (1 - tolerance) * best]
+        return [p for p in self.ordered() if p.samples_per_second >= (1 - tolerance) * best]
 
     def within_noise(self) -> list[ThroughputPoint]:
         """The points whose samples/s at the fast end of their spread reach the best's at its slow end."""
         slowest_best = self.best().samples_per_second_low
-        return [p for p in self.sorted() if p.samples_per_second_high >= slowest_best]
+        return [p for p in self.ordered() if p.samples_per_second_high >= slowest_best]
 
 
 def _refine(meter: _Meter, tolerance: float, rounds: int) -> None:
@@ -155,14 +157,14 @@ def _refine(meter: _Meter, tolerance: float, rounds: int) -> None:
             return
 
 
-def _suspects(meter: _Meter) -> list[int]:
-    """The sizes to time again: all of them where the fitted per-sample cost is negative, else those whose
-    range of timed steps (fastest to slowest) overlaps the best's, where that is more than the best alone."""
-    points = meter.sorted()
+def _suspects(meter: _Meter) -> tuple[list[int], str]:
+    """The sizes to time again, and why: all of them where the fitted per-sample cost is negative, else those
+    whose range of timed steps (fastest to slowest) overlaps the best's, where that is more than the best alone."""
+    points = meter.ordered()
     if len(points) < 2:
-        return []
+        return [], ""
     if _fit_line(points)[1] < 0:
-        return [p.batch_size for p in points]
+        return [p.batch_size for p in points], "the fitted per-sample cost was negative"
     best = meter.best()
     slowest_best = rate(best.batch_size, max(best.timed_step_seconds, default=best.step_seconds))
     near = [
@@ -170,36 +172,51 @@ def _suspects(meter: _Meter) -> list[int]:
         for p in points
         if rate(p.batch_size, min(p.timed_step_seconds, default=p.step_seconds)) >= slowest_best
     ]
-    return near if len(near) > 1 else []
+    return (near, "their timed steps overlapped the best's") if len(near) > 1 else ([], "")
 
 
-def _retime(meter: _Meter, extra_steps: int) -> list[int]:
-    """Time the suspect sizes again (once), ``extra_steps`` more timed steps each; the sizes timed again."""
-    retimed = []
-    for size in _suspects(meter) if extra_steps else []:
-        if not meter.retime(size, extra_steps):
-            break
-        retimed.append(size)
-    return retimed
+def _retime(meter: _Meter, extra_steps: int) -> str | None:
+    """Time the suspect sizes again (once), ``extra_steps`` more timed steps each, while time is left; a note
+    saying which and why, or ``None`` where none was."""
+    sizes, why = _suspects(meter) if extra_steps else ([], "")
+    retimed = [size for size in sizes if meter.retime(size, extra_steps)]
+    if not retimed:
+        return None
+    return f"timed {len(retimed)} sizes again ({retimed[0]} to {retimed[-1]}), {extra_steps} more steps each: {why}"
+
+
+def _falls_beyond_noise(points: list[ThroughputPoint], beta: float) -> bool:
+    """Whether the fitted step time falls, from the smallest size to the largest, by more than the widest
+    spread (interquartile range) of any size's timed steps: a fall that noise does not explain.
+
+    >>> flat = [ThroughputPoint(b, 0.05, b / 0.05, None, None, timed_step_seconds=(0.04, 0.05, 0.06)) for b in (1, 64)]
+    >>> _falls_beyond_noise(flat, -1e-4), _falls_beyond_noise(flat, -1e-3), _falls_beyond_noise(flat, 1e-3)
+    (False, True, False)
+    """
+    noise_seconds = max(p.step_seconds_high - p.step_seconds_low for p in points)
+    fall_seconds = -beta * (points[-1].batch_size - points[0].batch_size)
+    return fall_seconds > noise_seconds
 
 
 def _verdict(meter: _Meter, beta: float) -> tuple[bool, str]:
-    """Whether the timings tell the sizes apart, and one line saying what they could tell."""
-    points, best = meter.sorted(), meter.best()
+    """Whether the timings tell the sizes apart, and one line saying what they could tell: not where the
+    step time falls as the batch grows beyond the timing noise, nor where every size runs within the
+    noise of the best."""
+    points, best = meter.ordered(), meter.best()
     if len(points) < 2:
         return True, f"only batch size {best.batch_size} was timed: there was nothing to compare it with"
-    cannot = "the timings cannot tell these sizes apart on this device"
-    if beta < 0:
+    if beta < 0 and _falls_beyond_noise(points, beta):
         return False, (
-            f"{cannot}: the step time fell as the batch grew (fitted {beta * 1000:.3g} ms per sample), "
-            "which more work per step cannot do: noise, not the batch, decided which size looked fastest"
+            f"the timings cannot rank these sizes on this device: the step time fell as the batch grew "
+            f"(fitted {beta * 1000:.3g} ms per sample) beyond the timing noise, which more work per step cannot "
+            "do: something other than the batch (warm-up, contention, noise) drives these timings"
         )
     noisy = meter.within_noise()
     best_rate = f"{best.samples_per_second:,.1f} samples/s at {best.batch_size}"
     if len(noisy) == len(points):
         return False, (
-            f"{cannot}: every size from {points[0].batch_size} to {points[-1].batch_size} "
-            f"runs within the timing noise of the best ({best_rate})"
+            f"the timings cannot tell these sizes apart on this device: every size from {points[0].batch_size} "
+            f"to {points[-1].batch_size} runs within the timing noise of the best ({best_rate})"
         )
     return True, (
         f"the timings tell the sizes apart: {len(points) - len(noisy)} of the {len(points)} sizes timed "
@@ -216,7 +233,8 @@ def _choose(
     candidates = meter.within(tolerance)
     reason = f"It is the smallest batch within {tolerance:.0%} of the best throughput."
     if not distinguishable:
-        candidates = sorted({*candidates, *meter.within_noise()}, key=lambda p: p.batch_size)
+        near = {p.batch_size: p for p in [*candidates, *meter.within_noise()]}
+        candidates = [near[size] for size in sorted(near)]
         reason = f"It is the smallest batch within the timing noise or {tolerance:.0%} of the best throughput."
     if time_budget_seconds is None:
         return candidates[0].batch_size, reason, []
@@ -262,6 +280,9 @@ def find_optimal_batch_size(
     clock: Callable[[], float] = time.perf_counter,
     warmup_steps: int | None = None,
     settings: SearchSettings | None = None,
+    on_point: PointCallback | None = None,
+    max_seconds: float | None = None,
+    extra_timed_steps: int | None = None,
 ) -> ThroughputResult:
     """The throughput-optimal batch: the smallest within ``tolerance`` of the best samples/s.
 
@@ -276,6 +297,15 @@ def find_optimal_batch_size(
     ``timing_warmup_steps`` (deprecated: it read as the learning-rate warmup of ``plan_batch``).
     ``settings`` (a ``SearchSettings``) gives the search settings in one object; ``min_batch_size``,
     ``max_batch_size``, ``strategy``, ``margin``, ``trace`` and ``cache`` are its aliases (one form or the other).
+
+    Where the fitted per-sample cost is negative, or other sizes' timed steps overlap the best's, those
+    sizes are timed again once, ``extra_timed_steps`` more timed steps each (``None``: twice
+    ``timed_steps``; 0: never). If the timings still cannot tell the sizes apart, the result is not
+    ``distinguishable``: its ``verdict`` and ``summary()`` say so, and ``batch_size`` is the smallest
+    size within the timing noise (or ``tolerance``) of the best. ``on_point(point)`` is called as each
+    size is timed, in order (again for a size timed again). ``max_seconds`` (counted on ``clock``, the
+    search for the largest size included) starts no new size once passed; the first size always runs,
+    the answer comes from what was measured, and ``notes`` and ``stopped_by`` say the limit cut it short.
 
     >>> model = torch.nn.Linear(8, 1)
     >>> result = find_optimal_batch_size(model, torch.randn(2, 8), step_fn=lambda m, b: m(b).mean(),
@@ -321,6 +351,9 @@ def find_optimal_batch_size(
         dataset_size=dataset_size,
         time_budget_seconds=time_budget_seconds,
         clock=clock,
+        on_point=on_point,
+        max_seconds=max_seconds,
+        extra_timed_steps=extra_timed_steps,
     )
 
 
@@ -352,6 +385,32 @@ def _check(
         raise InputError("a time budget needs dataset_size (samples per epoch) to project epoch times")
 
 
+def check_max_seconds(max_seconds: Any) -> None:
+    """A one-line error unless ``max_seconds`` is ``None`` or a positive, finite number of seconds.
+
+    >>> check_max_seconds(float("inf"))
+    Traceback (most recent call last):
+    ...
+    batchfit.errors.InputError: max_seconds must be a finite number of seconds, got inf: give the seconds it may take, or None for no limit
+    """
+    check_seconds(max_seconds)
+    if max_seconds is not None and not math.isfinite(max_seconds):
+        raise InputError(
+            f"max_seconds must be a finite number of seconds, got {max_seconds!r}: give the seconds it may take, or None for no limit"
+        )
+
+
+def _check_noise_options(on_point: Any, extra_timed_steps: Any) -> None:
+    if on_point is not None and not callable(on_point):
+        raise InputTypeError(f"on_point must be a function of a ThroughputPoint, or None, got {on_point!r}")
+    if extra_timed_steps is not None and (
+        not isinstance(extra_timed_steps, int) or isinstance(extra_timed_steps, bool) or extra_timed_steps < 0
+    ):
+        raise InputError(
+            f"extra_timed_steps must be a whole number of steps (0: never time again) or None, got {extra_timed_steps!r}"
+        )
+
+
 @contextmanager
 def _timeline_off(device: Any) -> Iterator[None]:
     """A device that records a per-op timeline (CUDA) stops while steps are timed, since reading
@@ -381,21 +440,29 @@ def optimal_for_workload(
     dataset_size: int | None = None,
     time_budget_seconds: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    on_point: PointCallback | None = None,
+    max_seconds: float | None = None,
+    extra_timed_steps: int | None = None,
     **options: Any,
 ) -> ThroughputResult:
     """``find_optimal_batch_size`` for a ``Workload``: ``settings`` (a ``SearchSettings``) and
     ``options`` (any of its fields, by keyword) say how the maximum is searched and what is kept
-    free, as in ``search_workload``."""
+    free, as in ``search_workload``. ``max_seconds`` bounds the whole of it, the search for the
+    maximum included (a ``settings.max_seconds`` bounds that search alone, as before)."""
     _check(tolerance, safety_fraction, timing_warmup_steps, timed_steps, dataset_size, time_budget_seconds)
+    check_max_seconds(max_seconds)
+    _check_noise_options(on_point, extra_timed_steps)
     check_maximum(options.get("max_batch_size"))
+    started = clock()
     s = SearchSettings.of(settings, **options)
     dev = resolve_device(device, workload.model)
-    maximum = s.max_batch_size or search_workload(workload, s, device=dev).batch_size
+    maximum, search_stopped = _maximum(workload, s, dev, max_seconds)
     top = max(s.min_batch_size, math.floor(maximum * safety_fraction)) if safety_fraction else maximum
     _capacity, limit = usable_bytes(dev, s.margin)
     steps = timing_warmup_steps + timed_steps
+    deadline = started + max_seconds if max_seconds is not None else None
     with _timeline_off(dev), Prober(dev.prepare(workload), dev, steps=steps, limit_bytes=limit, clock=clock) as prober:
-        meter = _Meter(prober, timing_warmup_steps, tokens_per_sample, dataset_size)
+        meter = _Meter(prober, timing_warmup_steps, tokens_per_sample, dataset_size, on_point, deadline)
         for size in _grid(s.min_batch_size, top):
             if meter.measure(size) is None:
                 break
@@ -406,7 +473,39 @@ def optimal_for_workload(
                 [],
             )
         _refine(meter, tolerance, refine_rounds)
-    return _result(meter, tolerance, time_budget_seconds, maximum, top, safety_fraction)
+        extra = 2 * timed_steps if extra_timed_steps is None else extra_timed_steps
+        retimed = _retime(meter, extra)
+    notes = [*_limit_notes(meter, max_seconds, maximum, search_stopped), *([retimed] if retimed else [])]
+    result = _result(meter, tolerance, time_budget_seconds, maximum, top, safety_fraction, notes)
+    result.stopped_by = "max_seconds" if meter.cut_short else search_stopped
+    return result
+
+
+def _maximum(workload: Workload, s: SearchSettings, dev: Any, max_seconds: float | None) -> tuple[int, str | None]:
+    """The caller's ``max_batch_size``, else the largest that fits, searched within ``max_seconds`` (and
+    the settings' own limit); and what stopped that search early (``"max_seconds"``, ``"max_trials"``), if anything."""
+    if s.max_batch_size:
+        return s.max_batch_size, None
+    if max_seconds is not None:
+        s = s.replace(max_seconds=min(max_seconds, s.max_seconds or max_seconds))
+    found = search_workload(workload, s, device=dev)
+    return found.batch_size, getattr(found, "extra", {}).get("stopped_by")
+
+
+def _limit_notes(meter: _Meter, max_seconds: float | None, maximum: int, search_stopped: str | None) -> list[str]:
+    """Notes where a limit stopped the search for the largest size early, or cut the timing short."""
+    notes = []
+    if search_stopped is not None:
+        notes.append(
+            f"the search for the largest batch stopped early ({search_stopped}) at {maximum}: the grid stops there"
+        )
+    if meter.cut_short:
+        points = meter.ordered()
+        notes.append(
+            f"the {max_seconds:g} s limit (max_seconds) cut the timing short after {len(points)} sizes "
+            f"({points[0].batch_size} to {points[-1].batch_size}): the answer is from those"
+        )
+    return notes
 
 
 def _result(
@@ -416,13 +515,23 @@ def _result(
     maximum: int,
     top: int,
     safety_fraction: float | None,
+    notes: list[str] | None = None,
 ) -> ThroughputResult:
-    chosen, reason, notes = _choose(meter, tolerance, time_budget_seconds)
-    points = sorted(meter.points.values(), key=lambda p: p.batch_size)
-    best = max(points, key=lambda p: p.samples_per_second).batch_size
+    points = meter.ordered()
     alpha, beta = _fit_line(points)
+    distinguishable, verdict = _verdict(meter, beta)
+    chosen, reason, choice_notes = _choose(meter, tolerance, time_budget_seconds, distinguishable)
+    best = meter.best().batch_size
     largest = meter.points.get(top)
     saved = largest.peak_bytes - meter.points[chosen].peak_bytes if largest and largest.peak_bytes is not None else None
+    notes = [*choice_notes, *(notes or [])]
+    if beta < 0:
+        notes.append(
+            f"the fitted per-sample cost is negative ({beta * 1000:.3g} ms per sample): the step time did not "
+            "grow with the batch, so the fit t(B) = alpha + beta*B has no knee (and says nothing of a fixed cost)"
+        )
     if safety_fraction:
         notes.append(f"kept below {safety_fraction:.0%} of the maximum ({maximum}): at most {top}")
-    return ThroughputResult(chosen, best, maximum, tolerance, points, alpha, beta, reason, saved, notes)
+    return ThroughputResult(
+        chosen, best, maximum, tolerance, points, alpha, beta, reason, saved, notes, distinguishable, verdict
+    )

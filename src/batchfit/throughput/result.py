@@ -101,13 +101,16 @@ class ThroughputResult:
     ``beta_seconds_per_sample``); ``batch_size`` is then the smallest size within that noise (or
     ``tolerance``) of the best, and ``summary()`` says so instead of naming a clear winner.
     ``verdict`` is one line on what the timings could tell; ``stopped_by`` is ``"max_seconds"`` when the
-    time limit cut the search or the timing short (``notes`` says where).
+    time limit cut the search or the timing short (``notes`` says where), ``"max_trials"`` when the search's
+    trial limit stopped it.
 
     >>> points = [ThroughputPoint(b, 0.1 * b, 10.0, None, None) for b in (1, 2, 4)]
-    >>> result = ThroughputResult(1, 4, 4, 0.05, points, 0.0, 0.1, "It is the smallest batch.", distinguishable=False,
+    >>> result = ThroughputResult(1, 4, 4, 0.05, points, 0.01, 0.1, "It is the smallest batch.", distinguishable=False,
     ...                           verdict="the timings cannot tell these sizes apart on this device")
-    >>> result.summary().startswith("The timings cannot tell these sizes apart"), result.no_knee_reason
-    (True, 'no fixed cost measured: the fitted step time has no part that a larger batch would amortise')
+    >>> result.summary()
+    'The timings cannot tell these sizes apart on this device. Batch size 1 is given (10.0 samples/s): it is the smallest batch.'
+    >>> result.knee(0.9), result.no_knee_reason
+    (None, "the timings cannot tell the sizes apart: a knee of the fitted line would be the noise's")
     """
 
     batch_size: int
@@ -127,7 +130,8 @@ class ThroughputResult:
     verdict: str = ""
     """One line on what the timings could tell, e.g. that every size ran within the noise of the best."""
     stopped_by: str | None = None
-    """``"max_seconds"`` when the time limit cut the search for the largest size or the timing short."""
+    """``"max_seconds"`` when the time limit cut the search for the largest size or the timing short
+    (``"max_trials"`` when the trial limit stopped that search); ``None`` when nothing did."""
 
     @property
     def max_batch_size(self) -> int:
@@ -145,14 +149,17 @@ class ThroughputResult:
     @property
     def no_knee_reason(self) -> str | None:
         """Why the fit has no knee, or ``None`` where it has one: a negative per-sample cost (the step got
-        faster as the batch grew, which the timing noise explains, not the batch), none, or no fixed cost."""
-        beta_ms = self.beta_seconds_per_sample * 1000
+        faster as the batch grew), none, no fixed cost, or timings that cannot tell the sizes apart (the
+        fit's knee would be the noise's)."""
         if self.beta_seconds_per_sample < 0:
+            beta_ms = self.beta_seconds_per_sample * 1000
             return f"the fitted per-sample cost is negative ({beta_ms:.3g} ms per sample): the step time did not grow with the batch"
         if self.beta_seconds_per_sample == 0:
             return "no per-sample cost measured: the step time did not grow with the batch"
         if self.alpha_seconds <= 0:
             return "no fixed cost measured: the fitted step time has no part that a larger batch would amortise"
+        if not self.distinguishable:
+            return "the timings cannot tell the sizes apart: a knee of the fitted line would be the noise's"
         return None
 
     def point(self, batch_size: int) -> ThroughputPoint:
@@ -170,7 +177,7 @@ class ThroughputResult:
             verdict = self.verdict or "the timings cannot tell these sizes apart on this device"
             return (
                 f"{verdict[0].upper()}{verdict[1:]}. Batch size {self.batch_size} is given "
-                f"({chosen.samples_per_second:,.1f} samples/s{saved}), but any of them will do. {self.reason}"
+                f"({chosen.samples_per_second:,.1f} samples/s{saved}): {self.reason[:1].lower()}{self.reason[1:]}"
             )
         return (
             f"Use batch size {self.batch_size}: {chosen.samples_per_second:,.1f} samples/s, "
