@@ -295,6 +295,48 @@ def test_the_train_search_stops_at_the_per_device_share_of_the_global_batch(tmp_
     assert (fit.micro_batch_size, fit.gradient_accumulation_steps) == (6, 1)
 
 
+def test_a_search_stopped_by_the_trainers_small_global_batch_says_how_to_search_further(tmp_path, caplog):
+    """The default: the trainer's own global batch (2 x 1 x 1 here, 8 x 1 x 1 for TrainingArguments'
+    defaults) caps the search, so the answer is the cap, not the device's edge: the fit says so and
+    names the argument that searches further, in a warning a user sees without configuring logging."""
+    trainer = make_trainer(tmp_path, per_device=2, accumulation=1, eval_rows=0)
+    with caplog.at_level(logging.INFO, logger="batchfit"):
+        fit = fit_trainer(trainer, device=bf.SimulatedDevice("1GiB"), steps=1, **QUICK)
+    assert fit.micro_batch_size == 2
+    assert fit.note == (
+        "the search stopped at 2, each device's share of the trainer's global batch of 2 (per_device_train_batch_size"
+        " 2 x gradient_accumulation_steps 1 x 1 device), so a larger micro-batch may fit: pass fit_trainer a larger"
+        " global_batch_size (samples per optimizer step) to search further"
+    )
+    assert fit.summary().endswith(fit.note) and fit.to_dict()["note"] == fit.note
+    [record] = [r for r in caplog.records if r.getMessage().startswith("batchfit: micro-batch")]
+    assert record.levelno == logging.WARNING and fit.note in record.getMessage()
+    fit = fit_trainer(trainer, global_batch_size=2, device=bf.SimulatedDevice("1GiB"), steps=1, **QUICK)
+    assert "the search stopped at 2, each device's share of global_batch_size=2, so" in fit.note
+
+
+def test_a_micro_batch_below_the_one_that_fits_says_why_and_which_global_batch_gives_it(tmp_path, caplog):
+    """13 fits, but 13 does not divide 64: the plan sets 8 x 8, and the fit names the global
+    batches that 13 divides; asking for one of them gives micro-batches of 13."""
+    trainer = make_trainer(tmp_path, eval_rows=0)
+    fit_13 = {"device": bf.SimulatedDevice("1GiB"), "max_batch_size": 13, "steps": 1, **QUICK}  # 13 fits, 14 untried
+    with caplog.at_level(logging.INFO, logger="batchfit"):
+        fit = fit_trainer(trainer, global_batch_size=64, **fit_13)
+    assert (fit.search.batch_size, fit.micro_batch_size, fit.gradient_accumulation_steps) == (13, 8, 8)
+    assert fit.note == (
+        "the micro-batch is 8, not the 13 that fits, because 13 does not divide the 64 samples per device exactly"
+        " (8 x 8 accumulation steps does); for micro-batches of 13, pass fit_trainer global_batch_size=52"
+        " (13 x 4 x 1) or 65 (13 x 5 x 1)"
+    )
+    assert any(r.levelno == logging.WARNING and fit.note in r.getMessage() for r in caplog.records)
+    fit = fit_trainer(trainer, global_batch_size=65, **fit_13)
+    assert (fit.micro_batch_size, fit.gradient_accumulation_steps, fit.note) == (13, 5, None)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="batchfit"):
+        fit = cheap_fit(trainer)  # max_batch_size=4 is the user's own cap, and 4 divides 16: nothing to say
+    assert fit.note is None and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_a_global_batch_that_cannot_be_split_exactly_is_an_error_or_a_stated_approximation(tmp_path):
     trainer = make_trainer(tmp_path, eval_rows=0)
     with pytest.raises(ValueError, match=r"global batch of 61 cannot be split exactly .* allow_inexact=True"):

@@ -82,9 +82,23 @@ class TrainerFit(FitResult):
     ``train_search`` still read, with a ``DeprecationWarning``, for one release.
     """
 
+    note: str | None = None
+    """Why ``micro_batch_size`` is below a micro-batch that fits or may fit, and which argument gives
+    the larger one (``None`` when it is the largest that fits); ``summary()`` ends with it and
+    ``fit_trainer`` logs it as a warning."""
+
     per_device_train_batch_size = deprecated_alias("per_device_train_batch_size", "micro_batch_size")
     per_device_eval_batch_size = deprecated_alias("per_device_eval_batch_size", "eval_batch_size")
     train_search = deprecated_alias("train_search", "search")
+
+    def summary(self) -> str:
+        """``FitResult.summary()``, then the ``note`` when there is one."""
+        text = super().summary()
+        return text if self.note is None else f"{text}; {self.note}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """``FitResult.to_dict()`` with the ``note``."""
+        return {**super().to_dict(), "note": self.note}
 
     def differences(self, args: TrainingArguments) -> dict[str, tuple[int, int]]:
         """``{field: (planned, actual)}`` for each setting ``args`` no longer matches."""
@@ -320,6 +334,7 @@ def _trainer_fit(
     found: SearchResult,
     one_step: SearchResult,
     evaluated: SearchResult | None,
+    note: str | None = None,
 ) -> TrainerFit:
     """The fit: the plan's split and the eval batch, under ``TrainingArguments``' names too."""
     split = (plan.micro_batch_size, plan.gradient_accumulation_steps)
@@ -327,7 +342,54 @@ def _trainer_fit(
     if evaluated is not None:
         applied[SETTINGS[2]] = evaluated.batch_size
     previous = {name: getattr(args, name) for name in SETTINGS}
-    return TrainerFit(*split, plan.devices, found, one_step, evaluated, plan, applied=applied, previous=previous)
+    return TrainerFit(
+        *split, plan.devices, found, one_step, evaluated, plan, applied=applied, previous=previous, note=note
+    )
+
+
+def _why_not_larger(
+    args: TrainingArguments,
+    plan: BatchPlan,
+    found: SearchResult,
+    one_step: SearchResult,
+    *,
+    share: int,
+    user_cap: int | None,
+    asked: bool,
+) -> str | None:
+    """Why the micro-batch set is below one that fits (or may fit), and which argument gives the
+    larger one; ``None`` when it is the largest that fits, or ``max_batch_size`` kept it lower.
+
+    Two causes: the search stops at a device's share of the global batch, so a small global batch
+    (the trainer's own, by default) hides larger micro-batches; and the micro-batch must divide a
+    device's share exactly, so the largest that fits may not be the one set.
+    """
+    devices = plan.devices
+    device_word = "device" if devices == 1 else "devices"
+    if one_step.batch_size >= share and (user_cap is None or user_cap > share):
+        whose = (
+            f"global_batch_size={plan.target_samples}"
+            if asked
+            else f"the trainer's global batch of {plan.target_samples} (per_device_train_batch_size "
+            f"{args.per_device_train_batch_size} x gradient_accumulation_steps {args.gradient_accumulation_steps}"
+            f" x {devices} {device_word})"
+        )
+        return (
+            f"the search stopped at {share}, each device's share of {whose}, so a larger micro-batch may fit: "
+            "pass fit_trainer a larger global_batch_size (samples per optimizer step) to search further"
+        )
+    largest, micro = found.batch_size, plan.micro_batch_size
+    if not plan.exact or micro >= largest:
+        return None  # an inexact split already warned, naming its closest global batch
+    per_rank = largest * devices
+    steps = plan.target_samples // per_rank
+    choices = [(k * per_rank, k) for k in (steps, steps + 1) if k >= 1]
+    suggested = " or ".join(f"{total} ({largest} x {k} x {devices})" for total, k in choices)
+    return (
+        f"the micro-batch is {micro}, not the {largest} that fits, because {largest} does not divide the "
+        f"{plan.target_samples // devices} samples per device exactly ({micro} x {plan.gradient_accumulation_steps} "
+        f"accumulation steps does); for micro-batches of {largest}, pass fit_trainer global_batch_size={suggested}"
+    )
 
 
 def fit_trainer(
@@ -389,9 +451,13 @@ def fit_trainer(
         evaluated = None
         if fit_eval and trainer.eval_dataset is not None:
             evaluated = _eval_search(trainer, train.optimizer, devices, settings, device, longest_seq_len)
-    fit = _trainer_fit(args, plan, found, one_step, evaluated)
+    note = _why_not_larger(
+        args, plan, found, one_step, share=share, user_cap=max_batch_size, asked=global_batch_size is not None
+    )
+    fit = _trainer_fit(args, plan, found, one_step, evaluated, note)
     _apply(trainer, fit)
-    logger.info("batchfit: %s; set %s (was %s)", fit.summary(), fit.settings(), fit.previous)
+    level = logging.INFO if note is None else logging.WARNING  # a larger micro-batch is there to have: say so
+    logger.log(level, "batchfit: %s; set %s (was %s)", fit.summary(), fit.settings(), fit.previous)
     if log_plan:  # one callback, for the latest fit
         for earlier in [c for c in trainer.callback_handler.callbacks if isinstance(c, BatchFitCallback)]:
             trainer.remove_callback(earlier)

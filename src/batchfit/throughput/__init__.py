@@ -11,12 +11,29 @@ May import ``step``, ``devices``, ``search`` and ``errors``; never ``runtime``, 
 
 from __future__ import annotations
 
-from batchfit.throughput.optimal import check_max_seconds
-from batchfit.throughput.optimal import check_maximum
-from batchfit.throughput.optimal import find_optimal_batch_size
-from batchfit.throughput.optimal import optimal_for_workload
-from batchfit.throughput.result import ThroughputPoint
-from batchfit.throughput.result import ThroughputResult
+from typing import TYPE_CHECKING
+
+from batchfit._lazy import lazy_names
+
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "check_max_seconds": "batchfit.throughput.optimal",
+        "check_maximum": "batchfit.throughput.optimal",
+        "find_optimal_batch_size": "batchfit.throughput.optimal",
+        "optimal_for_workload": "batchfit.throughput.optimal",
+        "ThroughputPoint": "batchfit.throughput.result",
+        "ThroughputResult": "batchfit.throughput.result",
+    },
+)
+
+if TYPE_CHECKING:
+    from batchfit.throughput.optimal import check_max_seconds
+    from batchfit.throughput.optimal import check_maximum
+    from batchfit.throughput.optimal import find_optimal_batch_size
+    from batchfit.throughput.optimal import optimal_for_workload
+    from batchfit.throughput.result import ThroughputPoint
+    from batchfit.throughput.result import ThroughputResult
 
 __all__ = [
     "ThroughputPoint",
