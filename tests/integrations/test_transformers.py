@@ -333,7 +333,7 @@ def test_a_micro_batch_below_the_one_that_fits_says_why_and_which_global_batch_g
     assert (fit.micro_batch_size, fit.gradient_accumulation_steps, fit.note) == (13, 5, None)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="batchfit"):
-        fit = cheap_fit(trainer)  # max_batch_size=4 is the user's own cap, and 4 divides 16: nothing to say
+        fit = cheap_fit(make_trainer(tmp_path, eval_rows=0))  # the cap 4 is the user's, and 4 divides 16: no note
     assert fit.note is None and not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
