@@ -299,7 +299,7 @@ def test_estimate_errors_are_one_line_with_exit_code_2(args, message):
     assert message in result.stderr and result.stderr.count("\n") == 1
 
 
-def test_plan_reproduces_seed_003_and_writes_the_batch_configuration(tmp_path):
+def test_plan_splits_32k_tokens_into_16_x_8_scales_the_lr_linearly_and_writes_the_batch_configuration(tmp_path):
     out = tmp_path / "plan.json"
     result = invoke(
         "plan",
@@ -478,7 +478,9 @@ def test_only_what_the_user_can_fix_is_a_one_line_error(tiny, monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("internal: an index out of step")
 
-    monkeypatch.setattr(sys.modules["batchfit.cli.app"], "print_result", broken)
+    import batchfit.cli.find
+
+    monkeypatch.setattr(batchfit.cli.find, "print_result", broken)
     bug = invoke("find", tiny, "--device", "sim:1MiB", "--max-trials", "1", "--no-trace")
     assert bug.exit_code == 1 and "error: internal" not in bug.stderr
     assert "Traceback" in bug.stderr and "ValueError: internal: an index out of step" in bug.stderr

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import batchfit as bf
-from batchfit.cli.critical import draws
+from batchfit.cli.critical_run import draws
 from batchfit.cli.workloads import load_workload
 from cli_runner import invoke
 
@@ -32,7 +32,7 @@ def test_critical_prints_the_noise_scale_the_table_and_the_plan(tmp_path):
     assert "steps / fewest" in result.output and "Recommended global batch:" in result.output
 
 
-def test_empirical_adds_seed_004s_runs(tmp_path):
+def test_empirical_adds_equal_sample_training_runs_per_batch_size(tmp_path):
     out = tmp_path / "noise.json"
     result = invoke(
         "critical",

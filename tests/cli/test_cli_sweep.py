@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from batchfit.cli.sweep import parse_grid
+from batchfit.cli.sweep_run import parse_grid
 from cli_runner import invoke
 
 SWEEP = ["sweep", "gpt-tiny", "--grid", "seq_len=16,32", "--device", "sim:12MiB"]  # edges of 8 to 34 samples

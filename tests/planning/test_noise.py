@@ -185,7 +185,7 @@ def test_the_goodput_optimum_is_the_analytic_one(alpha, beta, phi):
     assert result.best_measured_batch_size == measured_best.batch_size
 
 
-def test_seed_004s_method_finds_where_validation_loss_stops_holding_up():
+def test_training_on_equal_samples_finds_where_validation_loss_stops_holding_up():
     torch.manual_seed(0)
     inputs = torch.randn(2048, 8)
     targets = inputs @ torch.randn(8, 1) + torch.randn(2048, 1)  # noisy: the loss floor is about 1

@@ -1,4 +1,5 @@
-"""The planner: the seeds' worked examples exactly, the warnings they name, and bad inputs."""
+"""The planner: worked examples exactly (token budgets by accumulation, devices, linear learning-rate
+scaling, Goyal et al.'s warmup), the warnings it gives, and bad inputs."""
 
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ from batchfit.planning.plan import TrainingRun
 from batchfit.planning.plan import plan_batch
 
 
-def test_seed_003_worked_examples():
+def test_a_token_budget_is_reached_by_accumulation():
     plan = plan_batch(micro_batch_size=16, global_batch_tokens=32768, seq_len=256, devices=1)
     assert (plan.gradient_accumulation_steps, plan.global_batch_tokens, plan.exact) == (8, 32768, True)
     plan = plan_batch(micro_batch_size=8, global_batch_tokens=16384, seq_len=512, devices=1)
     assert plan.gradient_accumulation_steps == 4
 
 
-def test_seed_004_worked_examples_and_its_json():
+def test_devices_and_linear_lr_scaling_and_the_batch_configuration_json():
     assert plan_batch(micro_batch_size=64, global_batch_size=256, devices=4).global_batch_size == 256
     plan = plan_batch(micro_batch_size=64, global_batch_size=1024, devices=1, base_lr=0.1, base_batch_size=256)
     assert math.isclose(plan.learning_rate, 0.4)
@@ -39,15 +40,15 @@ def test_seed_004_worked_examples_and_its_json():
         micro_batch_size=64, global_batch_size=512, devices=8, base_lr=0.001, base_batch_size=128, warmup_epochs=5
     )
     configuration = plan.to_dict()["batch_configuration"]
-    seed_004 = {
+    expected = {
         "per_gpu_batch_size": 64,
         "total_batch_size": 512,
         "gradient_accumulation_steps": 1,
         "learning_rate": 0.004,
         "warmup_epochs": 5,
     }
-    assert {key: configuration[key] for key in seed_004} == pytest.approx(seed_004)
-    assert list(configuration)[:5] == list(seed_004)
+    assert {key: configuration[key] for key in expected} == pytest.approx(expected)
+    assert list(configuration)[:5] == list(expected)
 
 
 def test_an_uneven_target_uses_an_exact_smaller_micro_batch():
@@ -63,7 +64,7 @@ def test_an_unsplittable_target_is_stated_never_silently_changed():
     assert plan.to_dict()["batch_configuration"]["exact"] is False
 
 
-def test_learning_rate_rules_and_warmup_follow_the_seeds():
+def test_learning_rate_scaling_rules_and_the_imagenet_warmup_in_steps():
     assert scale_learning_rate(1e-3, 4, "sqrt") == pytest.approx(2e-3)
     assert scale_learning_rate(1e-3, 4, "none") == 1e-3
     assert [warmup_need(s) for s in (2, 4, 8, 16)] == ["none", "optional", "required", "critical"]
@@ -139,7 +140,7 @@ def test_the_lr_scheduler_warms_up_then_follows_cosine():
         ),
     ],
 )
-def test_the_warnings_the_seeds_name(kwargs, warning):
+def test_each_risky_plan_gets_its_warning(kwargs, warning):
     plan = plan_batch(devices=1, **kwargs)
     assert any(warning in w for w in plan.warnings), plan.warnings
 

@@ -182,7 +182,9 @@ def violations(root: Path = PACKAGE) -> list[str]:
             for reached in imported_layers(module, names) - allowed:
                 found.append(f"{path.relative_to(root)} imports {module} (layer {reached!r}, not allowed in {layer!r})")
             private = [
-                name for name in names if name.startswith("_") and not name.startswith("__") and name not in ("_version", "_lazy")
+                name
+                for name in names
+                if name.startswith("_") and not name.startswith("__") and name not in ("_version", "_lazy")
             ]
             own_package = ".".join(("batchfit", *path.relative_to(root).parent.parts))
             if module.startswith("batchfit") and module != own_package and private:

@@ -63,3 +63,27 @@ def test_trace_true_and_false_force_the_choice():
     assert never.batch_size == forced.batch_size
     with pytest.raises(TypeError, match="trace must be 'auto', True or False"):
         bf.SearchSettings(trace="sometimes")
+
+
+def test_a_first_trial_out_of_memory_is_said_in_plain_words_and_nothing_is_traced():
+    """The first size tried does not fit: every size left is smaller, so the search measures them and
+    does not trace; the answer says so without the search's own vocabulary."""
+    from batchfit.step.builtin_workloads import gpt_tiny
+
+    result = bf.search_workload(gpt_tiny(), device=bf.SimulatedDevice("9MiB"))  # 2 is out of memory, 1 fits
+    assert [(t.batch_size, t.fits) for t in result.trials] == [(2, False), (1, True)]
+    assert not result.extra["evidence"]["trace_first"] and "trace" not in result.extra
+    assert result.summary().endswith(
+        "; no trace: batch size 2, the first size tried, ran out of memory, so batchfit measured the smaller sizes"
+        " directly and skipped the estimate on fake tensors (it only helps above a size that fits)."
+    )
+
+
+def test_a_device_that_records_no_memory_per_operation_traces_first_and_says_why_plainly():
+    choice = evidence.after_first_trial(Trial(2, True, 4096, 0.01, steps=2, timeline=None))
+    assert choice.trace_first
+    assert choice.reason == (
+        "this device does not record its memory operation by operation, so batchfit cannot tell whether an estimate"
+        " on fake tensors would be quicker than more real trials: it ran the estimate first (trace=False or"
+        " --no-trace skips it)"
+    )

@@ -86,7 +86,7 @@ def test_a_one_step_probe_overestimates_an_adam_model_and_two_steps_do_not():
     assert not trial.fits and trial.oom and trial.steps == 1
 
 
-def test_find_max_batch_size_takes_seed_000_call_shape():
+def test_find_max_batch_size_takes_a_model_batch_loss_and_optimizer():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     inputs, labels = torch.randn(5, 32), torch.randint(0, 10, (5,))
@@ -162,7 +162,7 @@ def test_eval_mode_fits_more_than_training():
     assert set(evaluated.trials[0].phase_peak_bytes) == {"forward"}
 
 
-def test_log_lines_follow_seed_002(caplog):
+def test_one_log_line_per_trial_says_fits_or_out_of_memory(caplog):
     case = CASES[1]
     with caplog.at_level("INFO", logger="batchfit"):
         result = bf.search_workload(case.build(), device=bf.SimulatedDevice(case.capacity), trace=True)

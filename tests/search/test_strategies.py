@@ -1,4 +1,4 @@
-"""Strategies against plain fits(b) functions: exact sequences from the seeds, and properties."""
+"""Strategies against plain fits(b) functions: exact sequences of sizes tried, and properties."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def below(edge: int):
     return lambda b: b <= edge
 
 
-def test_binary_follows_seed_000_bisection():
+def test_binary_follows_the_classic_bisection():
     # the classic binary search: low=1, high=512, mid=(low+high)//2; fits -> low=mid+1, OOM -> high=mid-1
     sizes, answer = run_strategy(Binary(), SearchSpace(1, 512), below(100))
     assert sizes == [256, 128, 64, 96, 112, 104, 100, 102, 101]
@@ -36,22 +36,22 @@ def test_power_doubles_then_bisects_like_lightning_binsearch():
     assert answer == 100
 
 
-def test_grow_scenario_a_of_seed_002_grows_by_half_to_the_cap():
+def test_grow_from_an_estimate_below_the_edge_grows_by_half_to_the_cap():
     sizes, answer = run_strategy(Grow(start=19), SearchSpace(1, 64), below(64))
     assert sizes == [19, 28, 42, 63, 64]
     assert answer == 64
 
 
-def test_grow_scenario_b_of_seed_002_halves_then_bisects():
+def test_grow_from_an_estimate_above_the_edge_halves_then_bisects():
     sizes, answer = run_strategy(Grow(start=19), SearchSpace(1, 64), below(16))
-    assert sizes[:4] == [19, 9, 14, 16]  # the seed's own sequence
+    assert sizes[:4] == [19, 9, 14, 16]  # halve, then bisect between 9 and 19
     assert sizes == [19, 9, 14, 16, 17]
     assert answer == 16
 
 
-def test_grow_scenario_c_of_seed_002_bisects_after_the_first_failure():
+def test_grow_past_the_edge_bisects_after_the_first_failure():
     sizes, answer = run_strategy(Grow(start=19), SearchSpace(1, 64), below(24))
-    assert sizes[:3] == [19, 28, 23]  # the seed's own sequence
+    assert sizes[:3] == [19, 28, 23]  # x1.5 once, then bisect between 19 and 28
     assert sizes == [19, 28, 23, 25, 24]
     assert answer == 24
 

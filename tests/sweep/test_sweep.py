@@ -78,7 +78,7 @@ def test_estimates_come_from_the_trace_then_from_the_measured_configurations(def
         assert record["trials"][0]["batch_size"] == record["starting_with"] == record["estimated"]
 
 
-def test_the_log_reads_like_seed_002(default_run):
+def test_the_log_reads_like_a_hand_written_sweep_script(default_run):
     _, lines = default_run
     assert lines[0] == "Testing seq_len=8, layers=1"
     assert lines[1].startswith("Finding optimal batch size for seq_len=8, layers=1 (estimated: ")
@@ -108,7 +108,7 @@ def test_rules_give_the_start_and_the_upper_limit_is_never_exceeded():
     assert second["estimated"] == 6 and second["batch_size_used"] == true_edge(16, 1)
 
 
-def test_seed_grow_from_the_rules_estimate_follows_the_seed_sequence():
+def test_grow_from_the_rules_estimate_grows_by_half_while_it_fits():
     rules = {"knobs": {"seq_len": [{"scale": 0.3}]}}
     result = sweep_grid(
         decoder,
@@ -174,7 +174,7 @@ def test_measure_runs_with_the_batch_found_and_joins_the_record(tmp_path):
         )
 
 
-def test_the_results_file_has_seed_002s_shape(tmp_path):
+def test_the_results_file_has_a_summary_record_per_configuration(tmp_path):
     path = tmp_path / "results.json"
     sweep_grid(decoder, {"seq_len": [8, 16]}, device=f"sim:{CAPACITY}", results_path=path, cache=False)
     document = json.loads(path.read_text())

@@ -12,7 +12,7 @@ from batchfit.sweep.crossconfig import CrossConfigModel
 from batchfit.sweep.crossconfig import MeasuredConfig
 from batchfit.sweep.rules import ScaleRules
 
-SEED_002 = {
+PROFILING_RULES = {  # a profiling sweep's scale tables: crops, top-k, active blocks
     "base_batch_size": 64,
     "knobs": {
         "max_crops": [
@@ -30,10 +30,10 @@ SEED_002 = {
 }
 
 
-def test_the_rules_reproduce_seed_002s_tables():
-    rules = ScaleRules.from_dict(SEED_002)
+def test_the_rules_reproduce_a_profiling_sweeps_scale_tables():
+    rules = ScaleRules.from_dict(PROFILING_RULES)
     crops = [rules.estimate({"max_crops": c}) for c in (2, 4, 6, 8, 10, 12, 13)]
-    assert crops == [64, 51, 38, 32, 25, 19, 16]  # the seed's "Example (base=64)" column
+    assert crops == [64, 51, 38, 32, 25, 19, 16]  # base 64 times each crops step's scale
     assert [rules.estimate({"top_k": k}) for k in (1, 4, 8, 16)] == [64, 57, 51, 44]
     assert rules.estimate({"num_active_blocks": 12}) == 32  # depth ratio 12/24
     assert rules.estimate({"max_crops": 12, "top_k": 4}) == int(64 * 0.3 * 0.9)  # knobs multiply
@@ -46,7 +46,7 @@ def test_the_base_comes_from_the_file_or_the_upper_limit():
 
 
 def test_rules_load_from_json_and_toml(tmp_path):
-    (tmp_path / "r.json").write_text(json.dumps(SEED_002))
+    (tmp_path / "r.json").write_text(json.dumps(PROFILING_RULES))
     assert ScaleRules.load(tmp_path / "r.json").estimate({"max_crops": 12}) == 19
     if sys.version_info >= (3, 11):
         (tmp_path / "r.toml").write_text(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
+import json
 import sys
 import traceback
 from collections.abc import Callable
@@ -19,20 +19,18 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from batchfit.cli.workloads import load_workload
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
+from batchfit.files import atomic_write_text
 from batchfit.files import check_writable
-from batchfit.search.settings import LARGEST_SIZE
-from batchfit.step.workload import Workload
 
 app = typer.Typer(
     help="What batch size should I train with on this hardware?\n\nExample: batchfit find gpt-tiny --device sim:8GiB",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,
 )
 console = Console()
 errors = Console(stderr=True)
@@ -49,6 +47,30 @@ REPORT_REQUEST = (
     "workload, the model, the loss), the fix is there; otherwise it is a bug in batchfit: please report it "
     "with the traceback and the output of: python -c 'import batchfit; print(batchfit.versions())'"
 )
+
+
+NO_SETTINGS_FOR_CONFIG = (
+    "--set passes settings to a workload's own function; a model built from its config takes --seq-len and the "
+    "sharding options: drop --set, or give your own workload (file.py:function)"
+)
+
+
+class LrScaling(str, Enum):
+    linear = "linear"
+    sqrt = "sqrt"
+    none = "none"
+
+
+class Goal(str, Enum):
+    accuracy = "accuracy"
+    speed = "speed"
+    memory = "memory"
+
+
+class Mode(str, Enum):
+    train = "train"
+    eval = "eval"
+    generate = "generate"
 
 
 class Amp(str, Enum):
@@ -109,37 +131,9 @@ CacheDir = Annotated[
 ]
 
 
-def load_for_cli(
-    workload: str,
-    seq_len: int | None,
-    image_size: int | None,
-    amp: Amp | None,
-    framework: str | None = "torch",
-    keep_output: bool = True,
-    settings: list[str] | None = None,
-) -> tuple[Any, dict[str, Any]]:
-    """The workload and the options that reached it (for the JSON); ``framework=None`` accepts MLX ones too.
-    ``keep_output`` sets which loop a torch workload's probe models (``Workload.keep_output``); ``settings`` are
-    the ``--set KEY=VALUE`` ones, passed to the workload's function typed as it annotates them."""
-    for flag, size in (("--seq-len", seq_len), ("--image-size", image_size)):
-        if size is not None and size > LARGEST_SIZE:  # the workload's own check takes the small ones
-            raise InputError(f"{flag} must be at most {LARGEST_SIZE:,} (2**31 - 1), got {size}")
-    options = {"seq_len": seq_len, "image_size": image_size, "amp_dtype": amp.value if amp else None}
-    work = with_loop(load_workload(workload, framework=framework, settings=settings or (), **options), keep_output)
-    used = {key: value for key, value in options.items() if value is not None}
-    if settings:
-        used["set"] = list(settings)
-    if isinstance(work, Workload):
-        used["keep_output"] = work.keep_output
-    return work, used
-
-
-def with_loop(work: Any, keep_output: bool) -> Any:
-    """A copy of a torch ``Workload`` whose probe holds (or drops) the output as asked; other
-    workloads (MLX's) unchanged."""
-    if isinstance(work, Workload) and work.keep_output != keep_output:
-        return dataclasses.replace(work, keep_output=keep_output)
-    return work
+def write_json(path: str | Path, document: dict[str, Any]) -> Path:
+    """Write ``document`` as indented JSON, atomically."""
+    return atomic_write_text(path, json.dumps(document, indent=2) + "\n")
 
 
 def check_outputs(json_path: Path | None = None, plot: Path | None = None) -> None:

@@ -14,9 +14,7 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from batchfit.devices.trace import TraceDevice
 from batchfit.devices.units import format_bytes
-from batchfit.workflows.ranks import describe_parallelism
 
 Rank = Annotated[int, typer.Option(help="With --gpus: the rank whose real trials run (0 to N-1).")]
 
@@ -33,6 +31,9 @@ def parameters_text(count: int) -> str:
 def header(work: Any, device: Any, command: str = "find") -> str:
     """The first lines of ``batchfit find`` (or ``estimate``) for one rank: the model, the rank, the
     device, what is measured (real trials, or traces on a ``TraceDevice``)."""
+    from batchfit.devices.trace import TraceDevice  # the library loads when a command runs, not with its help
+    from batchfit.workflows.ranks import describe_parallelism
+
     own = getattr(work, "workload", None)  # a ShardedCopy of the user's workload
     if own is not None:
         optimizer = type(own.optimizer).__name__ if own.optimizer is not None else "no optimizer"

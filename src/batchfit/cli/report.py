@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -13,7 +11,6 @@ from rich.table import Table
 
 from batchfit._version import versions
 from batchfit.devices.units import format_bytes
-from batchfit.files import atomic_write_text
 from batchfit.search.result import SearchResult
 from batchfit.search.trial import Trial
 
@@ -61,11 +58,6 @@ def result_document(result: SearchResult, *, workload: str, options: dict[str, A
     document["device"] = {"name": result.device, "simulated": simulated, "capacity_bytes": result.capacity_bytes}
     document["versions"] = versions()
     return document
-
-
-def write_json(path: str | Path, document: dict[str, Any]) -> Path:
-    """Write ``document`` as indented JSON, atomically."""
-    return atomic_write_text(path, json.dumps(document, indent=2) + "\n")
 
 
 def breakdown_table(estimate: Any) -> Table:

@@ -13,26 +13,23 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from typing import Annotated
 from typing import Any
 
 import typer
-from rich.table import Table
 
 from batchfit.cli.common import console
 from batchfit.cli.common import print_answer
-from batchfit.cli.progress import ConsoleProgress
-from batchfit.cli.report import write_json
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
-from batchfit.parallel.settings import Parallelism
-from batchfit.parallel.trace import ShardedEstimate
-from batchfit.workflows.ranks import capacity_of
-from batchfit.workflows.ranks import describe_parallelism
-from batchfit.workflows.ranks import host_line
-from batchfit.workflows.routing import DEFAULT_SEQ_LEN
-from batchfit.workflows.sharded_estimate import ConfigEstimate
-from batchfit.workflows.sharded_estimate import estimate_config
+
+if TYPE_CHECKING:  # the library loads when a command runs, not with its help: imported inside the functions
+    import rich.table
+
+    from batchfit.parallel.settings import Parallelism
+    from batchfit.parallel.trace import ShardedEstimate
+    from batchfit.workflows.sharded_estimate import ConfigEstimate
 
 Gpus = Annotated[
     int | None,
@@ -189,6 +186,8 @@ def parallelisms(
     """One ``Parallelism`` per activation-checkpointing choice asked for, in order
     (``"none,selective,full"``: all three). FSDP2 shards even one rank where its mixed precision
     or CPU offload is asked for."""
+    from batchfit.parallel.settings import Parallelism
+
     world_size, gpus_per_node = world
     fsdp = world_size > 1 or param_dtype or reduce_dtype or cpu_offload
     sharding = "hybrid" if hybrid_shard else ("fsdp" if fsdp else "none")
@@ -221,6 +220,13 @@ def estimate_sharded(
     """Per rank, for each activation-checkpointing choice: the largest micro-batch within ``capacity``
     and the breakdown at ``batch_size`` (else at that largest size); which choice reaches ``batch_size``
     (``batchfit.workflows.estimate_config``), printed and written."""
+    from batchfit.cli.common import write_json
+    from batchfit.cli.progress import ConsoleProgress
+    from batchfit.workflows.ranks import capacity_of
+    from batchfit.workflows.ranks import describe_parallelism
+    from batchfit.workflows.routing import DEFAULT_SEQ_LEN
+    from batchfit.workflows.sharded_estimate import estimate_config
+
     if not quiet:
         capacity_bytes, label = capacity_of(capacity)
         console.print(
@@ -241,6 +247,8 @@ def estimate_sharded(
 
 
 def _print_sharded(found: ConfigEstimate) -> None:
+    from batchfit.workflows.ranks import host_line
+
     for choice in found.choices:
         console.print(breakdown_table(choice.at, choice.parallelism.activation_checkpointing))
         if choice.at.host_peak_bytes is not None:
@@ -262,8 +270,10 @@ def _print_sharded(found: ConfigEstimate) -> None:
     )
 
 
-def breakdown_table(estimate: ShardedEstimate, checkpointing: str) -> Table:
+def breakdown_table(estimate: ShardedEstimate, checkpointing: str) -> rich.table.Table:
     """The per-rank breakdown at one micro-batch, largest part first."""
+    from rich.table import Table
+
     table = Table(
         title=f"Per rank at micro-batch {estimate.batch_size} (activation checkpointing {checkpointing}, "
         f"peak in {estimate.peak_phase})"

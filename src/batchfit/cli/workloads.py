@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from batchfit.cli.builtin_list import MLX_BUILTINS
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
 from batchfit.step.builtin_workloads import BUILTIN_WORKLOADS
@@ -27,31 +28,6 @@ from batchfit.step.workload import Workload
 SPEC_HELP = "a built-in name (see `batchfit list-workloads`), module:function or path/to/file.py:function"
 FRAMEWORKS = ("torch", "mlx")
 MLX_MISSING = 'MLX is not installed: pip install "batchfit[mlx]" (Apple silicon; on Linux pip install "mlx[cpu]")'
-# MLX built-ins: their builder in batchfit.integrations.mlx.examples, imported only when one is used.
-MLX_BUILTINS: dict[str, tuple[str, str]] = {
-    "mlx-mlp": (
-        "mlx_mlp",
-        "An MLX MLP classifier with Adam on a dict batch {features, labels}; the model returns the loss.",
-    ),
-    "mlx-gpt-tiny": (
-        "mlx_gpt_tiny",
-        "A 2-layer MLX decoder-only transformer with AdamW on (ids, next ids) token batches.",
-    ),
-}
-
-
-def describe_builtins(framework: str = "torch") -> dict[str, str]:
-    """Each built-in workload's name and the first line of its docstring (``framework="mlx"``: the MLX ones).
-
-    >>> list(describe_builtins("mlx"))
-    ['mlx-mlp', 'mlx-gpt-tiny']
-    """
-    if framework == "mlx":
-        return {name: line for name, (_, line) in MLX_BUILTINS.items()}
-    return {
-        name: (build.__doc__ or "").strip().splitlines()[0].replace("``", "")
-        for name, build in BUILTIN_WORKLOADS.items()
-    }
 
 
 def _import_mlx(module: str = "batchfit.integrations.mlx") -> Any:

@@ -147,3 +147,19 @@ def usable_bytes(name: str, reserve_bytes: int | None = None) -> int:
     if not 0 <= reserve < accelerator.memory_bytes:
         raise InputError(f"reserve_bytes must be in [0, {accelerator.memory_bytes}), got {reserve}")
     return accelerator.memory_bytes - reserve
+
+
+def refuse_preset(spec: str) -> None:
+    """A GPU preset is not a device to run on: one line naming what traces for it.
+
+    >>> refuse_preset("cuda:0")
+    >>> refuse_preset("a100-40gb")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    batchfit.errors.InputError: a100-40gb is a GPU preset: nothing runs on it, a trace estimates it: ...
+    """
+    if is_preset(spec.strip()):
+        raise InputError(
+            f"{spec} is a GPU preset: nothing runs on it, a trace estimates it: on the command line --gpu {spec} "
+            f"(batchfit estimate, batchfit plan), in Python device=batchfit.TraceDevice({spec.strip()!r})"
+        )

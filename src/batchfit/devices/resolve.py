@@ -8,7 +8,7 @@ from batchfit.devices.base import Device
 from batchfit.devices.cpu import CpuDevice
 from batchfit.devices.cuda import CudaDevice
 from batchfit.devices.mps import MpsDevice
-from batchfit.devices.presets import is_preset
+from batchfit.devices.presets import refuse_preset
 from batchfit.devices.simulated import SimulatedDevice
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
@@ -67,22 +67,6 @@ def from_string(spec: str) -> Device:
     except RuntimeError:
         raise InputError(f"unknown device {spec!r}: {DEVICE_HELP}") from None
     return from_torch_device(device)
-
-
-def refuse_preset(spec: str) -> None:
-    """A GPU preset is not a device to run on: one line naming what traces for it.
-
-    >>> refuse_preset("cuda:0")
-    >>> refuse_preset("a100-40gb")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    batchfit.errors.InputError: a100-40gb is a GPU preset: nothing runs on it, a trace estimates it: ...
-    """
-    if is_preset(spec.strip()):
-        raise InputError(
-            f"{spec} is a GPU preset: nothing runs on it, a trace estimates it: on the command line --gpu {spec} "
-            f"(batchfit estimate, batchfit plan), in Python device=batchfit.TraceDevice({spec.strip()!r})"
-        )
 
 
 def resolve_device(spec: Device | torch.device | str | None, model: torch.nn.Module) -> Device:

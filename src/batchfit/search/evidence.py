@@ -64,18 +64,35 @@ def before_any_trial(device: Device) -> EvidenceChoice | None:
 
 
 def after_first_trial(trial: Trial) -> EvidenceChoice:
-    """The choice once the first real trial has run: trace if the trace is predicted to cost less
+    """The choice once the first real trial has run: no trace when it ran out of memory (every size
+    left is smaller: no edge above it to estimate); else trace if the trace is predicted to cost less
     than that trial did (it replaces the second small trial the storages' lines need, one like
     it; see ``batchfit.search.lines_first``). The prediction: the trial's ops
     per step (its timeline's length) for ``TRACE_FAKE_TRIALS`` fake trials of two steps, at
     ``FAKE_OP_SECONDS`` each, plus the fake mode's start-up when this process has not paid it.
+    A device that keeps no per-op record of its memory gives nothing to predict from: the trace goes first.
 
     >>> after_first_trial(Trial(1, True, 1024, 5.0, steps=2, timeline=tuple(range(2000)))).trace_first
     True
+    >>> after_first_trial(Trial(2, False, None, 0.03, steps=2)).reason
+    'batch size 2, the first size tried, ran out of memory, so batchfit measured the smaller sizes directly and skipped the estimate on fake tensors (it only helps above a size that fits)'
     """
+    if not trial.fits:
+        return EvidenceChoice(
+            False,
+            f"batch size {trial.batch_size}, the first size tried, ran out of memory, so batchfit measured the "
+            "smaller sizes directly and skipped the estimate on fake tensors (it only helps above a size that fits)",
+            real_trial_seconds=trial.seconds,
+        )
     ops_per_step = len(trial.timeline or ()) / max(trial.steps, 1)
     if not ops_per_step:
-        return EvidenceChoice(True, "the device records no ops, so the trace's cost cannot be predicted: trace first")
+        return EvidenceChoice(
+            True,
+            "this device does not record its memory operation by operation, so batchfit cannot tell whether an "
+            "estimate on fake tensors would be quicker than more real trials: it ran the estimate first "
+            "(trace=False or --no-trace skips it)",
+            real_trial_seconds=trial.seconds,
+        )
     predicted = TRACE_FAKE_TRIALS * 2 * ops_per_step * FAKE_OP_SECONDS + (
         0.0 if fake_mode_warm() else FAKE_START_SECONDS
     )

@@ -440,8 +440,6 @@ def _choose_after_first(plan: _Plan, workload: Any, first: Trial, reported: dict
     """After the first real trial: trace if that is predicted to cost less than the trial did
     (and it fitted, so there is an edge above it to estimate); the choice goes to ``reported``."""
     choice = after_first_trial(first)
-    if choice.trace_first and not first.fits:
-        choice = dataclasses.replace(choice, trace_first=False, reason=f"{choice.reason}; but it did not fit")
     reported["evidence"] = choice.to_dict()
     if not choice.trace_first:
         return plan

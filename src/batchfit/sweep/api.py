@@ -25,10 +25,10 @@ from batchfit.search.settings import SearchSettings
 from batchfit.step.workload import Workload
 from batchfit.sweep.results import SweepResult
 from batchfit.sweep.rules import ScaleRules
-from batchfit.sweep.runner import ESTIMATE_SOURCES
 from batchfit.sweep.runner import Measure
 from batchfit.sweep.runner import SweepRunner
 from batchfit.sweep.runner import SweepSettings
+from batchfit.sweep.sources import ESTIMATE_SOURCES
 
 logger = logging.getLogger("batchfit")
 

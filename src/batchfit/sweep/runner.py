@@ -46,7 +46,6 @@ from batchfit.sweep.rules import ScaleRules
 
 logger = logging.getLogger("batchfit")
 
-ESTIMATE_SOURCES = ("model", "trace", "rules")
 GROW_MAX_TRIALS = 5  # estimate-then-grow gives up after 5 attempts
 Measure = Callable[[dict[str, Any], int, Workload], Any]
 

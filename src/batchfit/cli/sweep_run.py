@@ -1,0 +1,185 @@
+"""The body of ``batchfit.cli.sweep``: it imports the library (and torch), so the face imports it only when
+the command runs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from batchfit.cli.common import Amp
+from batchfit.cli.common import Mode
+from batchfit.cli.common import console
+from batchfit.cli.common import parse_margin
+from batchfit.cli.workloads import load_workload
+from batchfit.cli.workloads import resolve_factory
+from batchfit.devices.presets import refuse_preset
+from batchfit.devices.units import format_bytes
+from batchfit.errors import InputError
+from batchfit.errors import NoBatchFitsError
+from batchfit.search.cache import ResultCache
+from batchfit.sweep.api import sweep_grid
+from batchfit.sweep.results import SweepResult
+
+
+def parse_value(text: str) -> Any:
+    """``"128"`` is an int, ``"0.5"`` a float, ``"true"``/``"false"`` a bool, anything else a string."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def parse_grid(specs: list[str]) -> dict[str, list[Any]]:
+    """``["seq_len=128,256", "top_k=1,2"]`` as ``{"seq_len": [128, 256], "top_k": [1, 2]}``."""
+    grid: dict[str, list[Any]] = {}
+    for spec in specs:
+        name, equals, values = spec.partition("=")
+        name = name.strip().replace("-", "_")
+        if not equals or not name.isidentifier() or not values.strip():
+            raise InputError(f"--grid {spec!r} is not NAME=V1,V2,...: write e.g. --grid seq_len=128,256,512")
+        if name in grid:
+            raise InputError(f"--grid names {name} twice: give all its values in one --grid {name}=V1,V2")
+        grid[name] = [parse_value(v.strip()) for v in values.split(",") if v.strip()]
+    if not grid:
+        raise InputError("give at least one --grid NAME=V1,V2,... (e.g. --grid seq_len=128,256,512)")
+    return grid
+
+
+def _factory(spec: str, fixed: dict[str, Any], grid: dict[str, list[Any]]) -> Any:
+    clash = sorted(set(fixed) & set(grid))
+    if clash:
+        raise InputError(f"{', '.join(clash)} is both a fixed option and a --grid knob: give it in one place")
+    resolve_factory(spec)  # an unknown workload fails before any work
+
+    def build(**knobs: Any) -> Any:
+        return load_workload(spec, **fixed, **knobs)
+
+    build.__name__ = spec
+    return build
+
+
+def _measure(spec: str | None) -> Any:
+    if spec is None:
+        return None
+    if ":" not in spec:
+        raise InputError(f"--measure {spec!r} must be module:function or path/to/file.py:function")
+    return resolve_factory(spec)[1]
+
+
+def run_sweep(
+    *,
+    workload: str,
+    grid: list[str],
+    device: str,
+    batch_size: int | None,
+    auto_adjust: bool,
+    min_batch_size: int,
+    strategy: str,
+    estimate: str,
+    rules: Path | None,
+    mode: Mode | None,
+    max_new_tokens: int | None,
+    seq_len: int | None,
+    image_size: int | None,
+    amp: Amp | None,
+    margin: str,
+    max_trials: int | None,
+    measure: str | None,
+    json_path: Path | None,
+    cache: bool,
+    cache_dir: Path | None,
+    debug: bool,
+) -> None:
+    """The body of ``batchfit sweep`` (see its help): the largest batch of every configuration in a grid, each searched from an estimate."""
+    refuse_preset(device)
+    knobs = parse_grid(grid)
+    fixed = {
+        "seq_len": seq_len,
+        "image_size": image_size,
+        "amp_dtype": amp.value if amp else None,
+        "mode": mode.value if mode else None,
+        "max_new_tokens": max_new_tokens,
+    }
+    fixed = {key: value for key, value in fixed.items() if value is not None}
+    factory = _factory(workload, fixed, knobs)
+    sources = [source.strip() for source in estimate.split(",") if source.strip()]
+    store: Any = (cache_dir or True) if cache else False
+    start = time.perf_counter()
+    with console.status("Sweeping", spinner="dots"):
+        result = sweep_grid(
+            factory,
+            knobs,
+            device=device,
+            max_batch_size=batch_size,
+            min_batch_size=min_batch_size,
+            auto_adjust=auto_adjust,
+            strategy=strategy,
+            estimate=sources,
+            rules=rules,
+            results_path=json_path,
+            measure=_measure(measure),
+            cache=store,
+            margin=parse_margin(margin),
+            max_trials=max_trials,
+            log=lambda line: console.print(escape(line), highlight=False, soft_wrap=True),
+            name=workload,
+        )
+    console.print(sweep_table(result))
+    console.print(f"[bold green]{escape(result.summary(seconds=time.perf_counter() - start))}[/]")
+    if json_path is not None:
+        console.print(f"Wrote {json_path}")
+    if result.records and all(record.get("error") for record in result.records):
+        raise NoBatchFitsError(
+            f"no configuration fitted on {result.device} (the table says why for each): "
+            "give more memory (e.g. a larger sim: capacity) or smaller configurations",
+            [],
+        )
+
+
+def sweep_table(result: SweepResult) -> Table:
+    """One row per configuration: knobs, batch used, estimate and its source, trials, peak."""
+    table = Table(title=f"Sweep on {result.device}", title_justify="left")
+    for column in [*result.knobs, "batch size", "estimated", "trials", "peak", "note"]:
+        table.add_column(column, justify="right" if column != "note" else "left")
+    for record in result.records:
+        estimated = f"{record['estimated']} ({record['estimate_source']})" if record.get("estimated") else ""
+        note = "cache" if record.get("cached") else (record.get("error") or "")[:60]
+        peak = format_bytes(record["peak_bytes"]) if record.get("peak_bytes") else ""
+        row = [*(str(record[k]) for k in result.knobs), str(record["batch_size_used"]), estimated]
+        table.add_row(*row, str(len(record["trials"])), peak, escape(note))
+    return table
+
+
+def run_cache_list(
+    *,
+    cache_dir: Path | None,
+    debug: bool,
+) -> None:
+    """The body of ``batchfit cache-list`` (see its help): show every stored result: what it was for, where, the batch size and when."""
+    store = ResultCache(cache_dir)
+    entries = store.entries()
+    console.print(f"{store.path}: {len(entries)} results", highlight=False, soft_wrap=True)
+    table = Table()
+    for column in ("stored", "workload", "device", "batch size", "trials", "key"):
+        table.add_column(column, justify="right" if column in ("batch size", "trials") else "left")
+    for entry in entries:
+        stored = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.created))
+        trials = str(len(entry.result.get("trials", [])))
+        table.add_row(stored, escape(entry.label), entry.device, str(entry.batch_size), trials, entry.key[:12])
+    console.print(table)
+
+
+def run_cache_clear(
+    *,
+    cache_dir: Path | None,
+    debug: bool,
+) -> None:
+    """The body of ``batchfit cache-clear`` (see its help): delete every stored result."""
+    store = ResultCache(cache_dir)
+    console.print(f"Removed {store.clear()} results from {store.path}.", highlight=False)
