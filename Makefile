@@ -65,6 +65,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/gpu_estimates.py
 	$(BIN)/python benchmarks/tokens.py
 	$(BIN)/python benchmarks/import_time.py
+	$(BIN)/python benchmarks/cli_startup.py
 
 # Fault injection, bad inputs and endurance (a reduced form runs in `make test`): benchmarks/RELIABILITY.md;
 # an OOM inside FSDP2, the cache against edits, Ctrl-C at seeded sites: benchmarks/FAULTS.md.
