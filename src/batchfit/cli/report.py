@@ -64,7 +64,10 @@ def breakdown_table(estimate: Any) -> Table:
     """The traced breakdown at the peak beside the analytic estimate, and their difference."""
     analytic = estimate.analytic.to_dict() if estimate.analytic else {}
     table = Table(
-        title=f"Memory at batch size {estimate.batch_size} (peak in {estimate.peak_phase})", title_justify="left"
+        title=f"Memory at batch size {estimate.batch_size} (peak in {estimate.peak_phase})",
+        title_justify="left",
+        caption="difference: the analytic figure against the traced one",
+        caption_justify="left",
     )
     for column in ("component", "traced", "analytic", "difference"):
         table.add_column(column, justify="left" if column == "component" else "right")
