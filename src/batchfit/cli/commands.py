@@ -258,15 +258,27 @@ def plan(
     workload: Annotated[
         str | None, typer.Argument(help="Measure the micro-batch on this workload (else give --micro-batch-size).")
     ] = None,
-    micro_batch_size: Annotated[int | None, typer.Option(help="The largest micro-batch that fits, if known.")] = None,
+    micro_batch_size: Annotated[
+        int | None,
+        typer.Option(
+            help="The largest micro-batch that fits, if known: a plan may use a smaller one that divides the "
+            "global batch exactly, and says why."
+        ),
+    ] = None,
     global_batch_size: Annotated[int | None, typer.Option(help="Target global batch in samples.")] = None,
     global_batch_tokens: Annotated[
         str | None,
-        typer.Option(help="Target global batch in tokens (with --seq-len): a count, or 4M for 4 x 2**20."),
+        typer.Option(
+            help="Target global batch in tokens (with --seq-len): a count (491520), or K and M as powers of two "
+            "(4M = 4 x 2**20; 0.5M = 524,288)."
+        ),
     ] = None,
     seq_len: Annotated[int | None, typer.Option(help="Tokens per sample.")] = None,
     devices: Annotated[
-        int | None, typer.Option(help="Data-parallel devices (default: torch.distributed's world size, else 1).")
+        int | None,
+        typer.Option(
+            help="Data-parallel devices, the same as --gpus (default: torch.distributed's world size, else 1)."
+        ),
     ] = None,
     base_lr: Annotated[float | None, typer.Option(help="The learning rate tuned at --base-batch-size.")] = None,
     base_batch_size: Annotated[
