@@ -14,15 +14,16 @@ from pathlib import Path
 import batchfit as bf
 
 PACKAGE = Path(bf.__file__).parent
-SHARED = {"errors", "_version", "_lazy", "files"}
+SHARED = {"errors", "_version", "_lazy", "bounds", "files"}
 # What each layer may import, lowest first: step < devices < search < {runtime, sweep, parallel, tokens, throughput}
 # < workflows < {integrations, cli}, with planning (maths) beside them. A layer always may import itself and the shared
-# leaves above (errors, the version, atomic file writes, lazy public names), which import nothing of batchfit but
-# one another.
+# leaves above (errors, the version, atomic file writes, lazy public names, the bound on sizes), which import
+# nothing of batchfit but one another.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "_version": set(),
     "_lazy": set(),
+    "bounds": set(),
     "files": set(),
     "step": set(),
     "devices": {"step"},
