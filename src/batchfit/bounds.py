@@ -37,3 +37,36 @@ def check_size(name: str, value: Any, *, smallest: int = 1, largest: int = LARGE
         limit = f"{largest:,}" + (" (2**31 - 1)" if largest == LARGEST_SIZE else "")
         raise InputError(f"{name} must be at most {limit}, got {value}")
     return value
+
+
+def check_flag(name: str, value: Any, *, optional: bool = False) -> bool | None:
+    """``value`` when it is ``True`` or ``False`` (or ``None`` where ``optional``): ``"no"``, ``0`` or ``"false"`` are
+    not read as a flag, which would be true for the first and silently mean something else for the others.
+
+    >>> check_flag("packed", False), check_flag("packed", None, optional=True)
+    (False, None)
+    >>> check_flag("packed", "no")
+    Traceback (most recent call last):
+    ...
+    batchfit.errors.InputTypeError: packed must be True or False, got 'no'
+    """
+    if isinstance(value, bool) or (optional and value is None):
+        return value
+    either = "True, False or None" if optional else "True or False"
+    raise InputTypeError(f"{name} must be {either}, got {value!r}")
+
+
+MOST_STEPS = 1000  # a trial, or its confirmation, of more steps than this is a training run, not a measurement
+
+
+def check_steps_count(name: str, value: Any, *, smallest: int = 1) -> int:
+    """``value`` as a number of training steps a measurement takes: ``smallest`` to ``MOST_STEPS``.
+
+    >>> check_steps_count("confirm_steps", 4, smallest=0)
+    4
+    >>> check_steps_count("confirm_steps", 10**9, smallest=0)
+    Traceback (most recent call last):
+    ...
+    batchfit.errors.InputError: confirm_steps must be at most 1,000, got 1000000000
+    """
+    return check_size(name, value, smallest=smallest, largest=MOST_STEPS)

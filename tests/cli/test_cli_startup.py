@@ -10,6 +10,7 @@ import sys
 import pytest
 
 PLAN = ["plan", "--micro-batch-size", "12", "--global-batch-tokens", "491520", "--seq-len", "1024", "--gpus", "8"]
+PLAN_ONE = PLAN[:-2]  # no --gpus: the world size is read without importing torch.distributed
 CODE = """
 import sys
 from batchfit.cli.app import app
@@ -41,6 +42,7 @@ def loaded_by(*args: str) -> tuple[list[str], str]:
         ["cache", "list", "--help"],
         ["list-workloads"],
         PLAN,
+        PLAN_ONE,
     ],
     ids=lambda args: " ".join(args[:2]),
 )

@@ -29,6 +29,7 @@ CHECKS = (
     "ddp_sweep",
     "fsdp_agreement",
     "fsdp_find",
+    "fsdp_own_workload",
     "ddp_lightning",
 )
 LAUNCH_TIMEOUT_SECONDS = 300

@@ -70,3 +70,77 @@ CASES = {
         "llama-3-8b", 512, 2, 64, options={**MIXED, "activation_checkpointing": "full"}, overrides=SMALL_LLAMA
     ),
 }
+
+
+# -- a workload of one's own: a regression on a residual MLP stack ----------------------------------
+# Real FSDP2 on two gloo ranks (fsdp_own_workload.py, measured by torch's FSDPMemTracker) and one
+# rank's estimate of the user's Workload (estimate_own_rank on a TraceDevice, or its real trials)
+# train the same thing: rows of SEQ_LEN x WIDTH features and a target of the same shape, each
+# block fully_shard'ed and then the root, AdamW, F.mse_loss, the output and loss held through
+# backward into the next step (the loop a user writes).
+OWN_WIDTH, OWN_HIDDEN, OWN_BLOCKS, OWN_SEQ_LEN = 128, 512, 4, 64
+OWN_BATCH_SIZES = (8, 32)
+
+
+def residual_mlp() -> Any:
+    """A stack of residual MLP blocks (norm, up, ReLU, down, plus the input) and a linear head."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(OWN_WIDTH)
+            self.up = nn.Linear(OWN_WIDTH, OWN_HIDDEN)
+            self.down = nn.Linear(OWN_HIDDEN, OWN_WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(torch.relu(self.up(self.norm(x))))
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(OWN_BLOCKS))
+            self.head = nn.Linear(OWN_WIDTH, OWN_WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    return Stack()
+
+
+def residual_mlp_rows(batch_size: int) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of ``batch_size`` rows (seeded)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(batch_size)
+    shape = (batch_size, OWN_SEQ_LEN, OWN_WIDTH)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+def residual_mlp_optimizer(params: Any) -> Any:
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
+def mse(output: Any, target: Any) -> Any:
+    """The workload's loss (a ``loss_fn`` of an ``(inputs, targets)`` batch): ``F.mse_loss``."""
+    import torch.nn.functional as F
+
+    return F.mse_loss(output, target)
+
+
+def residual_mlp_workload() -> Any:
+    """The user's ``Workload`` of the residual MLP (a sample of 2 rows; the output kept through backward)."""
+    import torch
+
+    import batchfit as bf
+
+    torch.manual_seed(0)
+    model = residual_mlp()
+    return bf.Workload(
+        model, residual_mlp_rows(2), loss_fn=mse, optimizer=residual_mlp_optimizer(model.parameters()), name="own_mlp"
+    )

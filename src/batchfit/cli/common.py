@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib
 import json
 import sys
 import traceback
@@ -22,8 +23,10 @@ from rich.markup import escape
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
+from batchfit.files import STDOUT
 from batchfit.files import atomic_write_text
 from batchfit.files import check_writable
+from batchfit.files import standard_output
 
 app = typer.Typer(
     help="What batch size should I train with on this hardware?\n\nExample: batchfit find gpt-tiny --device sim:8GiB",
@@ -132,21 +135,42 @@ CacheDir = Annotated[
 
 
 def write_json(path: str | Path, document: dict[str, Any]) -> Path:
-    """Write ``document`` as indented JSON, atomically."""
+    """Write ``document`` as indented JSON: a file atomically, ``-`` to standard output, a device or a FIFO
+    through (``batchfit.files``)."""
     return atomic_write_text(path, json.dumps(document, indent=2) + "\n")
 
 
 def check_outputs(json_path: Path | None = None, plot: Path | None = None) -> None:
-    """Fail before the work, not after it, when an output's folder does not exist, or a plot is asked
-    for and matplotlib is missing."""
+    """Fail before the work, not after it, when an output cannot be written (its folder does not exist, it is a
+    folder, a socket...), or a plot is asked for and matplotlib is missing. An output to ``-`` keeps stdout for
+    that document alone: until the command ends, what else it prints goes to stderr (under ``--quiet``, the
+    answer too)."""
 
     for path in (json_path, plot):
         if path is not None:
             check_writable(path)
+    to_stdout = [path for path in (json_path, plot) if path is not None and str(path) == STDOUT]
+    if len(to_stdout) > 1:
+        raise InputError(f"--json {STDOUT} and --plot {STDOUT} both ask for standard output: give one a file path")
     if plot is not None:
         from batchfit.cli.plots import load_pyplot
 
         load_pyplot()
+    if not to_stdout:
+        return
+    # The running command's context (click's, or the copy recent typer carries: read off typer's Context) closes
+    # when the command ends, and undoes what it was given to hold.
+    click_globals = importlib.import_module(typer.Context.__mro__[1].__module__.rpartition(".")[0] + ".globals")
+    context = click_globals.get_current_context(silent=True)
+    if context is None:
+        return  # not in a command: ``-`` is sys.stdout of the moment
+    kept = _ANSWER_STREAM.get()
+    if kept is None:
+        context.with_resource(standard_output(sys.stdout))
+        context.with_resource(contextlib.redirect_stdout(sys.stderr))
+    else:  # --quiet: answer_alone already sends the rest to stderr; the answer goes there too, and it resets this
+        context.with_resource(standard_output(kept))
+        _ANSWER_STREAM.set(sys.stderr)
 
 
 _ANSWER_STREAM: contextvars.ContextVar[Any] = contextvars.ContextVar("answer_stream", default=None)

@@ -18,6 +18,7 @@ from batchfit.cli.report import throughput_table
 from batchfit.devices.presets import refuse_preset
 from batchfit.devices.resolve import resolve_device
 from batchfit.planning.noise import Goodput
+from batchfit.planning.noise import check_noise_scale
 from batchfit.planning.noise import goodput
 from batchfit.throughput import ThroughputPoint
 from batchfit.throughput import ThroughputResult
@@ -48,6 +49,8 @@ def run_optimal(
     """The body of ``batchfit optimal`` (see its help): maximum is not optimal: time steps across batch sizes and pick the throughput-optimal one."""
     refuse_preset(device)
     check_max_seconds(max_seconds)
+    if noise_scale is not None:
+        check_noise_scale(noise_scale)  # before the search, not after it
     work, options = load_for_cli(workload, seq_len, image_size, amp, keep_output=keep_output, settings=model_settings)
     dev = resolve_device(device, work.model)
     check_outputs(json_path, plot)

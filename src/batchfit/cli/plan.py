@@ -71,7 +71,11 @@ def run_plan(
         devices = _devices_without_workload(
             devices, parallel, gpu, device, margin, keep_output, activation_checkpointing
         )
-    elif gpu is not None and device != "auto":
+    elif (
+        gpu is not None
+        and device != "auto"
+        and not (verify and route_workload(workload, parallel.asked) is Route.CONFIG)
+    ):
         raise InputError(
             f"give --gpu {gpu} (trace the workload for that GPU, nothing runs) or --device {device} (measure on it), not both"
         )
@@ -105,6 +109,10 @@ def run_plan(
             if model_settings:
                 raise InputError(NO_SETTINGS_FOR_CONFIG)
             choices = parallel.choices(activation_checkpointing or "none,full")
+            if device != "auto" and not verify:
+                raise InputError(
+                    f"--device {device} is where --verify runs one rank's real trials: add --verify, or drop --device"
+                )
             if verify and parallel.cpu_offload:
                 raise InputError(
                     "--verify runs real trials of one rank, and CPU offload cannot run for real on one device: "

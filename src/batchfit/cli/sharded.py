@@ -302,7 +302,7 @@ def parse_tokens(text: str | None) -> int | None:
     digits = cleaned[:-1] if scale > 1 else cleaned
     try:
         tokens = round(float(digits) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or inf
         raise InputError(f"--global-batch-tokens must be a count such as 32768 or 4M, got {text!r}") from None
     if tokens < 1:
         raise InputError(f"--global-batch-tokens must be at least 1, got {text!r}")

@@ -10,6 +10,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from batchfit.bounds import LARGEST_SIZE
 from batchfit.cli.common import Amp
 from batchfit.cli.common import Mode
 from batchfit.cli.common import console
@@ -46,6 +47,9 @@ def parse_grid(specs: list[str]) -> dict[str, list[Any]]:
         if name in grid:
             raise InputError(f"--grid names {name} twice: give all its values in one --grid {name}=V1,V2")
         grid[name] = [parse_value(v.strip()) for v in values.split(",") if v.strip()]
+        for value in grid[name]:
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > LARGEST_SIZE:
+                raise InputError(f"--grid {name}={value} is past any size a tensor can have: at most {LARGEST_SIZE:,}")
     if not grid:
         raise InputError("give at least one --grid NAME=V1,V2,... (e.g. --grid seq_len=128,256,512)")
     return grid

@@ -74,6 +74,11 @@ def run_tokens(
             "--gpus, --gpu and --verify measure a model from its config per rank (an LLM preset or a config.json); "
             "for a workload of your own, run it on the device with --device"
         )
+    if activation_checkpointing != "none":
+        raise InputError(
+            "--activation-checkpointing applies to a model built from its config (an LLM preset or a config.json); "
+            "a workload of your own checkpoints as its function builds it"
+        )
     options = {"seq_len": lengths[-1], "amp_dtype": amp.value if amp else None}
     work = with_loop(load_workload(workload, only_accepted=True, settings=model_settings or (), **options), keep_output)
     dev = device_for(work, device)

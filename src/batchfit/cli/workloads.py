@@ -135,6 +135,10 @@ def resolve_factory(spec: str, framework: str | None = "torch") -> tuple[str, Ca
         )
         raise InputError(f"unknown workload {spec!r}: use one of {known}, or module:function / file.py:function")
     where, _, function = spec.rpartition(":")
+    if not where.strip() or not function.strip():
+        raise InputError(
+            f"workload {spec!r} names no {'module or file' if not where.strip() else 'function'}: give {SPEC_HELP}"
+        )
     module = _load_file(Path(where)) if where.endswith(".py") else _load_module(where)
     factory = getattr(module, function, None)
     if not callable(factory):

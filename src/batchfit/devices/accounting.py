@@ -49,8 +49,13 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from batchfit.devices.caching_allocator import Block
 from batchfit.devices.caching_allocator import CachingAllocator
 from batchfit.devices.interrupts import raise_if_interrupted
+from batchfit.devices.interrupts import shield_code
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
+
+# A Ctrl-C never raises inside this module's code (a second one included: see ``batchfit.devices.interrupts``):
+# the weak-reference callback that uncounts a freed storage would drop it half-way, a count half-updated.
+shield_code(__file__)
 
 # The simulated OOM message carries the CPU allocator's wording so that tools matching OOMs by
 # message (Lightning, accelerate) recognise it as well.

@@ -29,6 +29,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from batchfit.devices.accounting import Ledger
 from batchfit.devices.simulated import CUDA_BLOCK_BYTES
+from batchfit.parallel.loss_storage import REDUCED_LOSS_OPS
+from batchfit.parallel.loss_storage import with_kept_storage
 
 # Ops whose outputs are communication buffers: FSDP2's copy-in/chunk-cat and the collectives.
 COMMUNICATION_NAMESPACES = frozenset({"fsdp", "c10d", "_c10d_functional"})
@@ -254,6 +256,8 @@ class _CountingMode(TorchDispatchMode):
         for tensor in tensors_in((args, kwargs)):
             counter.track(tensor)
         out = func(*args, **kwargs)
+        if func in REDUCED_LOSS_OPS:  # a fake kernel's scalar loss, without the storage the real one keeps
+            out = with_kept_storage(func, args, kwargs, out)
         role = "communication" if func.namespace in COMMUNICATION_NAMESPACES else None
         for tensor in tensors_in(out):
             counter.track(tensor, role)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from dataclasses import fields
 from typing import Any
 
+from batchfit.bounds import LARGEST_SIZE
+from batchfit.bounds import check_size
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
 from batchfit.planning.advice import REFERENCE_BATCHES
@@ -23,15 +25,18 @@ GOALS = ("accuracy", "speed", "memory")
 RAMPS = ("linear", "exponential")
 
 
-def positive_int(name: str, value: Any) -> None:
-    """A ``ValueError`` unless ``value`` is an integer of at least 1 (``True`` is not a count)."""
+def positive_int(name: str, value: Any, largest: int | None = None) -> None:
+    """A ``ValueError`` unless ``value`` is an integer of at least 1 (``True`` is not a count), and at most
+    ``largest`` where given (a batch: ``batchfit.bounds.LARGEST_SIZE``)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InputError(f"{name} must be a positive integer, got {value!r}")
+    if largest is not None:
+        check_size(name, value, largest=largest)
 
 
-def optional_positive_int(name: str, value: Any) -> None:
+def optional_positive_int(name: str, value: Any, largest: int | None = None) -> None:
     if value is not None:
-        positive_int(name, value)
+        positive_int(name, value, largest)
 
 
 def _number(value: Any) -> bool:
@@ -69,14 +74,19 @@ class BatchTarget:
                 "give exactly one target: global_batch_size (samples) or global_batch_tokens (with seq_len)"
             )
         if self.global_batch_size != "critical":
-            optional_positive_int("global_batch_size", self.global_batch_size)
+            optional_positive_int("global_batch_size", self.global_batch_size, largest=LARGEST_SIZE)
         optional_positive_int("global_batch_tokens", self.global_batch_tokens)
         if self.global_batch_tokens is not None and self.seq_len is None:
             raise InputError(
                 "global_batch_tokens needs seq_len (tokens per sample): total = micro x seq_len x accumulation x devices"
             )
-        optional_positive_int("seq_len", self.seq_len)
-        optional_positive_int("devices", self.devices)
+        optional_positive_int("seq_len", self.seq_len, largest=LARGEST_SIZE)
+        optional_positive_int("devices", self.devices, largest=LARGEST_SIZE)
+        if self.global_batch_tokens is not None and self.global_batch_tokens // self.seq_len > LARGEST_SIZE:
+            raise InputError(
+                f"global_batch_tokens {self.global_batch_tokens:,} is more than {LARGEST_SIZE:,} sequences of "
+                f"{self.seq_len}: give the global batch in tokens your run takes (e.g. 4M)"
+            )
 
     @property
     def given(self) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 
 BOOTSTRAP_SAMPLES = 400
 
@@ -193,6 +194,7 @@ def critical_target(noise_scale: float, micro_batch_size: int, devices: int) -> 
     >>> critical_target(300.0, 16, 2)
     (288, [])
     """
+    check_noise_scale(noise_scale)
     if not math.isfinite(noise_scale) or noise_scale <= 0:
         raise InputError(f"the noise scale must be a positive number, got {noise_scale!r}")
     unit = micro_batch_size * devices
@@ -245,6 +247,25 @@ class Goodput:
             "best_measured_batch_size": self.best_measured_batch_size,
             "optimal_batch_size": self.optimal_batch_size,
         }
+
+
+def check_noise_scale(noise_scale: Any) -> float:
+    """``noise_scale`` (B_simple, in samples) when it is a finite positive number; else one line naming the fix.
+
+    >>> check_noise_scale(512)
+    512.0
+    >>> check_noise_scale(float("nan"))
+    Traceback (most recent call last):
+    ...
+    batchfit.errors.InputError: the noise scale must be a positive number of samples (batchfit critical measures it), got nan
+    """
+    if isinstance(noise_scale, bool) or not isinstance(noise_scale, (int, float)):
+        raise InputTypeError(f"the noise scale must be a number of samples such as 512, got {noise_scale!r}")
+    if not math.isfinite(noise_scale) or noise_scale <= 0:
+        raise InputError(
+            f"the noise scale must be a positive number of samples (batchfit critical measures it), got {noise_scale!r}"
+        )
+    return float(noise_scale)
 
 
 def goodput(throughput: Any, noise_scale: float, base_batch_size: int | None = None) -> Goodput:

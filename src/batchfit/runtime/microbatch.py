@@ -16,6 +16,9 @@ from typing import Any
 import torch
 
 from batchfit.devices.cleanup import drain_autograd_queue
+from batchfit.devices.interrupts import interrupts_deferred
+from batchfit.devices.interrupts import interrupts_held
+from batchfit.devices.interrupts import raise_if_interrupted
 from batchfit.devices.oom import is_oom
 from batchfit.devices.resolve import resolve_device
 from batchfit.errors import InputError
@@ -289,31 +292,47 @@ class Microbatcher:
         Under a process group, ranks agree after the micro-batches whether any ran out of memory
         and then all shrink and replay together; DDP gradients are averaged once, explicitly, so no
         rank ever waits in a gradient all-reduce that an out-of-memory rank will never join.
+
+        On a simulated device (whose accounting a Ctrl-C must not cut half-way) a Ctrl-C is deferred
+        (``batchfit.devices.interrupts``): one during the micro-batches stops the step at the next op, and it
+        is dropped whole (gradients dropped, buffers and random state as the step found them, nothing
+        recorded); one during the optimizer step is raised when the step is done. Either way
+        ``KeyboardInterrupt`` reaches the caller, and the next step runs as if the interrupted one never had.
         """
+        with interrupts_deferred() if self.device.simulated else contextlib.nullcontext():
+            return self._step(batch)
+
+    def _step(self, batch: Any) -> float:
         total = batch_length(batch)
         size = self.current_max_tokens if self._by_tokens else min(self._current_size(batch), total)
         agreeing = distributed.active()
         self._check_token_budget(batch, size, agreeing)
         ooms = replays = 0
         start = ReplayStart.take(self.model)  # in host memory, outside the device's accounting
-        while True:
-            slices = self._slices(batch, size)
-            loss, completed = self._accumulate_agreeing(batch, slices, size, agreeing)
-            failed = loss is None
-            if agreeing and self._agree_on_outcome(failed) and not failed:
-                failed = True
-                self._clean_up("another rank ran out of memory")
-            if not failed:
-                break
-            start.restore()  # the replay starts from the buffers and random state the failed attempt did
-            ooms += 1
-            replays += completed  # micro-batches whose forward and backward are thrown away and run again
-            size = self._shrink(size, self._floor(batch, agreeing))
-        if self._watcher is not None:
-            self._watcher.finish(self.noise)  # each rank's own micro-batches, before averaging
-        if agreeing and hasattr(self.model, "no_sync"):
-            distributed.average_gradients(self.model)
-        self._optimizer_step()
+        try:
+            while True:
+                slices = self._slices(batch, size)
+                loss, completed = self._accumulate_agreeing(batch, slices, size, agreeing)
+                failed = loss is None
+                if agreeing and self._agree_on_outcome(failed) and not failed:
+                    failed = True
+                    self._clean_up("another rank ran out of memory")
+                if not failed:
+                    break
+                start.restore()  # the replay starts from the buffers and random state the failed attempt did
+                ooms += 1
+                replays += completed  # micro-batches whose forward and backward are thrown away and run again
+                size = self._shrink(size, self._floor(batch, agreeing))
+            raise_if_interrupted()  # the last point where the step can be dropped whole: nothing applied yet
+            with interrupts_held():  # a Ctrl-C from here on is raised once the optimizer has stepped
+                if self._watcher is not None:
+                    self._watcher.finish(self.noise)  # each rank's own micro-batches, before averaging
+                if agreeing and hasattr(self.model, "no_sync"):
+                    distributed.average_gradients(self.model)
+                self._optimizer_step()
+        except KeyboardInterrupt:
+            self._drop_step(start)
+            raise
         if ooms and self._by_tokens:
             self.current_max_tokens = size
         elif ooms:
@@ -321,6 +340,16 @@ class Microbatcher:
         self._record(slices, ooms, replays, total, size)
         self._maybe_grow(ooms)
         return loss
+
+    def _drop_step(self, start: ReplayStart) -> None:
+        """A Ctrl-C stopped the step before its optimizer step (or, a second Ctrl-C, inside it: then undone only
+        with ``guard_optimizer_step``): its gradients dropped, buffers and random state as it found them."""
+        drain_autograd_queue()
+        reset_sharded_iteration(self.model)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._undo_scaler()
+        self._watcher = None
+        start.restore()
 
     def _accumulate_agreeing(
         self, batch: Any, slices: list[tuple[int, int]], size: int, agreeing: bool

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from batchfit.bounds import check_steps_count
 from batchfit.devices.allocator_replay import SETTLE_STEPS
 from batchfit.devices.base import Device
 from batchfit.devices.cleanup import drain_autograd_queue
@@ -264,6 +265,7 @@ def check_steps(steps: Any) -> None:
     """``steps`` must be a positive integer (a trial's full training steps)."""
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise InputError(f"steps must be at least 1 (2 or more to include optimizer state), got {steps!r}")
+    check_steps_count("steps", steps)
 
 
 def check_room(device: Any, limit_bytes: int | None, baseline_bytes: int, holder: str, held: str) -> None:

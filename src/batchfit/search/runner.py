@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from batchfit.bounds import check_size
 from batchfit.devices.accounting import LiveBytes
 from batchfit.devices.base import Device
 from batchfit.devices.interrupts import interrupts_deferred
@@ -538,6 +539,7 @@ def probe_workload(
     and/or ``options``), ``margin`` and ``steps`` apply."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise InputError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
+    check_size("batch_size", batch_size)
     s = SearchSettings.of(settings, **options)
     backend = backend_for(workload)
     dev = backend.resolve_device(workload, device)

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from batchfit.bounds import LARGEST_SIZE
+from batchfit.bounds import check_steps_count
 from batchfit.devices.units import parse_bytes
 from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
@@ -23,9 +25,6 @@ from batchfit.search.strategies import make_strategy
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a size
-
-
-LARGEST_SIZE = 2**31 - 1  # no tensor dimension past this can be built on any device torch runs on
 
 
 def check_bounds(min_batch_size: int, max_batch_size: int | None, max_trials: int | None) -> None:
@@ -119,10 +118,8 @@ class SearchSettings:
             raise InputTypeError(f"trace must be 'auto', True or False, got {self.trace!r}")
         margin_bytes(self.margin, None)  # its form: bytes, a size string, or a fraction in [0, 1)
         check_cache(self.cache)
-        if self.confirm_steps is not None and (not _is_count(self.confirm_steps) or self.confirm_steps < 0):
-            raise InputError(
-                f"confirm_steps must be a whole number of steps (0: no confirmation) or None, got {self.confirm_steps!r}"
-            )
+        if self.confirm_steps is not None:
+            check_steps_count("confirm_steps (0: no confirmation)", self.confirm_steps, smallest=0)
         if self.agree not in (None, True, False):
             raise InputTypeError(
                 f"agree must be True, False or None (when a process group is initialised), got {self.agree!r}"

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from batchfit.bounds import check_size
 from batchfit.errors import InputError
 from batchfit.step.workload import Workload
 
@@ -179,6 +180,7 @@ def _check_sizes(**sizes: Any) -> None:
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be a positive integer, got {value!r}")
+        check_size(name, value)
 
 
 def gpt_tiny(

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from batchfit.bounds import check_flag
 from batchfit.devices.resolve import resolve_device
 from batchfit.errors import InputError
 from batchfit.errors import ModelDoesNotFitError
@@ -45,6 +46,7 @@ from batchfit.tokens.result import PackedBudget
 from batchfit.tokens.result import TokenBudget
 from batchfit.tokens.samples import PackedRows
 from batchfit.tokens.samples import at_length
+from batchfit.tokens.samples import check_host_room
 from batchfit.tokens.samples import packed_rows
 from batchfit.tokens.samples import packing_refusal
 from batchfit.tokens.stacks import stack_lines
@@ -87,7 +89,11 @@ def token_budget_of_workload(
     found.
     """
     start = time.perf_counter()
-    lengths = bucket_lengths(list(lengths))
+    check_flag("packed", packed, optional=True)
+    check_flag("forward", forward)
+    check_flag("accumulating", accumulating)
+    lengths = bucket_lengths(lengths)
+    check_host_room(workload.sample_batch, lengths[-1])  # before any trial, not after the short buckets
     base = SearchSettings.of(settings)
     dev = resolve_device(device, workload.model)
     capacity, limit = usable_bytes(dev, base.margin)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from batchfit.bounds import check_size
 from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 
 DEFAULT_BUCKETS = 6  # buckets made from a longest length: it, its half, its quarter, ...
 
@@ -25,14 +27,17 @@ def bucket_lengths(
             "give the buckets' lengths (--buckets 256,512,1024) or the longest length (--max-seq-len 4096)"
         )
     if max_seq_len is not None:
-        _check_positive("max_seq_len", max_seq_len)
-        _check_positive("the number of buckets", count)
-        buckets = sorted({max(1, max_seq_len >> halvings) for halvings in range(count)})
+        check_size("max_seq_len", max_seq_len)
+        check_size("the number of buckets", count)
+        halvings = min(count, max_seq_len.bit_length())  # past that, every bucket would be 1 token long
+        buckets = sorted({max(1, max_seq_len >> halving) for halving in range(halvings)})
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence):
+        raise InputTypeError(f"lengths must be a list of bucket lengths such as [256, 512, 1024], got {buckets!r}")
     lengths = list(buckets)
     if not lengths:
         raise InputError("give at least one bucket length, such as --buckets 256,512,1024")
     for length in lengths:
-        _check_positive("a bucket length", length)
+        check_size("a bucket length", length)
     if len(set(lengths)) != len(lengths):
         raise InputError(f"bucket lengths must differ, got {lengths}: give each bucket's longest sequence once")
     return sorted(lengths)
@@ -48,8 +53,3 @@ def parse_buckets(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise InputError(f"--buckets takes lengths separated by commas, such as 256,512,1024; got {text!r}") from None
-
-
-def _check_positive(what: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InputError(f"{what} must be a positive integer, got {value!r}")

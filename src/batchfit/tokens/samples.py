@@ -17,12 +17,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
+from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 from batchfit.step.batching import cut_sequences
 from batchfit.step.batching import map_tensors
 from batchfit.step.batching import pad_sequences
 from batchfit.step.batching import sequence_tensor
+from batchfit.step.batching import tensor_leaves
 
 MASK_KEYS = ("attention_mask",)  # a packed batch has none: the sequences' bounds are in position_ids
 
@@ -54,8 +57,40 @@ def at_length(sample: Any, seq_len: int) -> Any:
     tensor([[0, 1],
             [4, 5]])
     """
-    sized = pad_sequences(sample, seq_len) if seq_len > sequence_length(sample) else cut_sequences(sample, seq_len)
-    return with_padding(sized)
+    if seq_len > sequence_length(sample):
+        check_host_room(sample, seq_len)
+        return with_padding(pad_sequences(sample, seq_len))
+    return with_padding(cut_sequences(sample, seq_len))
+
+
+def padded_bytes(sample: Any, seq_len: int) -> int:
+    """The host bytes ``sample`` takes padded to ``seq_len`` positions (its real tensors of two dimensions or more;
+    a fake tensor takes none).
+
+    >>> padded_bytes({"input_ids": torch.zeros(2, 4, dtype=torch.long), "label": torch.zeros(2)}, 1024)
+    16384
+    """
+    return sum(
+        tensor.numel() // max(tensor.shape[1], 1) * seq_len * tensor.element_size()
+        for tensor in tensor_leaves(sample)
+        if tensor.dim() >= 2 and not isinstance(tensor, FakeTensor)
+    )
+
+
+def check_host_room(sample: Any, seq_len: int, available_bytes: int | None = None) -> None:
+    """An ``InputError`` before padding, where ``sample`` at ``seq_len`` positions would take more than half the
+    memory the host can still give (``available_bytes``, read from the host when ``None``): a bucket longer than
+    any sequence the run will see is a mistake, not a reason to swap."""
+    needed = padded_bytes(sample, seq_len)
+    if available_bytes is None:
+        from batchfit.devices.cpu import available_host_bytes
+
+        available_bytes = available_host_bytes()
+    if available_bytes is not None and needed > available_bytes // 2:
+        raise InputError(
+            f"the sample padded to {seq_len:,} tokens would take {format_bytes(needed)} of host memory, which has "
+            f"{format_bytes(available_bytes)} available: give the bucket lengths your data has (--buckets, --max-seq-len)"
+        )
 
 
 def with_padding(sample: Any) -> Any:

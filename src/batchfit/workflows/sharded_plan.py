@@ -20,6 +20,12 @@ from batchfit.parallel.fit import LargestBatch
 from batchfit.parallel.fit import largest_batch_size
 from batchfit.parallel.settings import Parallelism
 from batchfit.planning.plan import BatchPlan
+from batchfit.workflows.arguments import check_callable
+from batchfit.workflows.arguments import check_capacity_spec
+from batchfit.workflows.arguments import check_choices
+from batchfit.workflows.arguments import check_model_spec
+from batchfit.workflows.arguments import check_progress
+from batchfit.workflows.arguments import check_size
 from batchfit.workflows.progress import SILENT
 from batchfit.workflows.progress import Progress
 from batchfit.workflows.ranks import NOT_TRACED
@@ -182,6 +188,14 @@ def plan_sharded(
     >>> found.chosen.activation_checkpointing, found.plan.global_batch_size
     ('none', 64)
     """
+    check_model_spec(workload)
+    check_capacity_spec(capacity)
+    check_size("seq_len", seq_len)
+    choices = check_choices(choices)
+    check_callable(
+        "planner", planner, "a micro-batch per rank -> a BatchPlan, e.g. lambda b: plan_batch(micro_batch_size=b)"
+    )
+    check_progress(progress)
     found = measure_per_rank(workload, capacity, seq_len, choices, progress)
     verification = None
     if verify_on is not None:  # a traced answer that fails its real trial gives way to the largest verified size

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfit.devices.units import format_bytes
+from batchfit.errors import NoBatchFitsError
 from batchfit.parallel.fit import LargestBatch
 from batchfit.parallel.fit import largest_batch_size
 from batchfit.parallel.models import model_config
@@ -32,6 +33,12 @@ from batchfit.search.settings import SearchSettings
 from batchfit.search.strategies import make_strategy
 from batchfit.tokens.lengths import bucket_lengths
 from batchfit.tokens.stacks import padded_lines
+from batchfit.workflows.arguments import check_capacity_spec
+from batchfit.workflows.arguments import check_flag
+from batchfit.workflows.arguments import check_lengths
+from batchfit.workflows.arguments import check_model_spec
+from batchfit.workflows.arguments import check_parallelism
+from batchfit.workflows.arguments import check_progress
 from batchfit.workflows.progress import SILENT
 from batchfit.workflows.progress import Progress
 from batchfit.workflows.ranks import capacity_of
@@ -153,10 +160,16 @@ def sharded_token_budget(
     >>> [(bucket.seq_len, bucket.batch_size > 0, bucket.verified) for bucket in found.buckets]
     [(32, True, None)]
     """
+    check_model_spec(workload)
+    check_capacity_spec(capacity)
+    check_parallelism(parallelism)
+    check_flag("verify", verify)
+    check_flag("accumulating", accumulating)
+    check_progress(progress)
     model_config(workload)  # a file that is not a model config, or an unknown name, fails here in one line
     capacity_bytes, label = capacity_of(capacity)
     buckets = []
-    for seq_len in bucket_lengths(list(lengths)):
+    for seq_len in bucket_lengths(check_lengths(lengths)):
         with progress.working(f"Tracing one rank of {parallelism.world_size} at {seq_len} tokens"):
             bucket = _traced(workload, seq_len, capacity_bytes, parallelism, accumulating)
         if verify and bucket.traced.batch_size > 0:
@@ -164,6 +177,13 @@ def sharded_token_budget(
                 bucket.verified = _verified(workload, seq_len, parallelism, capacity_bytes, bucket, accumulating)
         progress.said(_found(bucket, label))
         buckets.append(bucket)
+    if not any(bucket.batch_size for bucket in buckets):  # as the one-device budget: an answer of none is an error
+        raise NoBatchFitsError(
+            f"not even one sequence of {buckets[0].seq_len} tokens, the shortest bucket, fits one rank of "
+            f"{parallelism.world_size} on {label}: give shorter buckets, more ranks, activation checkpointing "
+            "or more memory",
+            [],
+        )
     return ShardedTokenBudget(workload, capacity, capacity_bytes, parallelism, buckets, accumulating)
 
 

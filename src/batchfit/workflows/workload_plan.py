@@ -21,6 +21,10 @@ from batchfit.search.runner import DeviceSpec
 from batchfit.search.runner import search_workload
 from batchfit.search.settings import SearchSettings
 from batchfit.step.workload import Workload
+from batchfit.workflows.arguments import check_callable
+from batchfit.workflows.arguments import check_flag
+from batchfit.workflows.arguments import check_progress
+from batchfit.workflows.arguments import check_settings
 from batchfit.workflows.progress import SILENT
 from batchfit.workflows.progress import Progress
 from batchfit.workflows.rank_workloads import accumulating
@@ -59,6 +63,9 @@ def measure_micro_batch(
 ) -> SearchResult:
     """The search for the largest micro-batch of ``work``: one plain step, or with ``held`` a later
     micro-batch of an accumulation window (its gradients held); said as it is found."""
+    check_settings(settings)
+    check_flag("held", held)
+    check_progress(progress)
     window = " with the accumulation window's gradients held" if held else ""
     if held:
         work = accumulating(work)
@@ -92,6 +99,10 @@ def plan_workload(
     >>> found.held is not None, found.plan.micro_batch_size <= found.held.batch_size <= found.one_step.batch_size
     (True, True)
     """
+    check_callable(
+        "planner", planner, "the largest micro-batch -> a BatchPlan, e.g. lambda b: plan_batch(micro_batch_size=b)"
+    )
+    check_settings(settings)
     settings = settings or SearchSettings()
     one_step = measure_micro_batch(work, settings, device=device, progress=progress)
     plan = planner(one_step.batch_size)
