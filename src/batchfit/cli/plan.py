@@ -74,7 +74,7 @@ def run_plan(
     elif (
         gpu is not None
         and device != "auto"
-        and not (verify and route_workload(workload, parallel.asked) is Route.CONFIG)
+        and route_workload(workload, parallel.asked) is not Route.CONFIG  # there --device is --verify's
     ):
         raise InputError(
             f"give --gpu {gpu} (trace the workload for that GPU, nothing runs) or --device {device} (measure on it), not both"

@@ -50,6 +50,8 @@ from batchfit.devices.caching_allocator import Block
 from batchfit.devices.caching_allocator import CachingAllocator
 from batchfit.devices.interrupts import raise_if_interrupted
 from batchfit.devices.interrupts import shield_code
+from batchfit.devices.loss_storage import REDUCED_LOSS_OPS
+from batchfit.devices.loss_storage import with_kept_storage
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 
@@ -502,6 +504,8 @@ class _CountingMode(TorchDispatchMode):
             for tensor in _tensors_in(arg):
                 counter.track(tensor)
         out = func(*args, **(kwargs or {}))
+        if func in REDUCED_LOSS_OPS:  # a fake kernel's reduced loss lacks the storage the real one keeps
+            out = with_kept_storage(func, args, kwargs or {}, out)
         requested = sum(counter.track(tensor) for tensor in _tensors_in(out))
         if counter.over_limit() and (message := self._oom_now(requested)) is not None:
             del out  # a real allocator never hands out the block: nothing may keep it alive

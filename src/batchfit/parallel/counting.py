@@ -28,9 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from batchfit.devices.accounting import Ledger
+from batchfit.devices.loss_storage import REDUCED_LOSS_OPS
+from batchfit.devices.loss_storage import with_kept_storage
 from batchfit.devices.simulated import CUDA_BLOCK_BYTES
-from batchfit.parallel.loss_storage import REDUCED_LOSS_OPS
-from batchfit.parallel.loss_storage import with_kept_storage
 
 # Ops whose outputs are communication buffers: FSDP2's copy-in/chunk-cat and the collectives.
 COMMUNICATION_NAMESPACES = frozenset({"fsdp", "c10d", "_c10d_functional"})

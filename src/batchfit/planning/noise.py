@@ -195,8 +195,6 @@ def critical_target(noise_scale: float, micro_batch_size: int, devices: int) -> 
     (288, [])
     """
     check_noise_scale(noise_scale)
-    if not math.isfinite(noise_scale) or noise_scale <= 0:
-        raise InputError(f"the noise scale must be a positive number, got {noise_scale!r}")
     unit = micro_batch_size * devices
     most = unit * MAX_ACCUMULATION_STEPS
     if noise_scale > most:
@@ -271,6 +269,7 @@ def check_noise_scale(noise_scale: Any) -> float:
 def goodput(throughput: Any, noise_scale: float, base_batch_size: int | None = None) -> Goodput:
     """Pollux's goodput over a ``ThroughputResult``: samples/s times ``(φ + M0)/(φ + M)``; ``M0``
     defaults to the smallest batch measured."""
+    check_noise_scale(noise_scale)
     base = base_batch_size or min(p.batch_size for p in throughput.points)
     points = [
         {

@@ -22,6 +22,11 @@ from batchfit.search.result import SearchResult
 from batchfit.search.runner import probe_workload
 from batchfit.search.runner import search_workload
 from batchfit.search.trial import Trial
+from batchfit.workflows.arguments import check_capacity_spec
+from batchfit.workflows.arguments import check_choices
+from batchfit.workflows.arguments import check_model_spec
+from batchfit.workflows.arguments import check_progress
+from batchfit.workflows.arguments import check_size
 from batchfit.workflows.progress import SILENT
 from batchfit.workflows.progress import Progress
 from batchfit.workflows.ranks import NOT_TRACED
@@ -104,6 +109,14 @@ def estimate_config(
     """
     from batchfit.parallel.models import model_config
 
+    check_model_spec(workload)
+    check_capacity_spec(capacity)
+    choices = check_choices(choices)
+    if batch_size is not None:
+        check_size("batch_size", batch_size)
+    if seq_len is not None:
+        check_size("seq_len", seq_len)
+    check_progress(progress)
     model_config(workload)  # a file that is not a model config, or an unknown name, fails here in one line
     seq_len = seq_len or DEFAULT_SEQ_LEN
     capacity_bytes, label = capacity_of(capacity)
@@ -132,6 +145,9 @@ def estimate_own_rank(
 ) -> RankEstimate:
     """The largest micro-batch per rank of ``work`` (one rank's ``ShardedCopy``) on ``device`` (a
     ``TraceDevice``), and with ``batch_size`` one traced trial at it: whether it fits, and its peak."""
+    if batch_size is not None:
+        check_size("batch_size", batch_size)
+    check_progress(progress)
     with progress.working("Tracing one rank on fake tensors"):
         search = search_workload(work, device=device)
     if batch_size is None:

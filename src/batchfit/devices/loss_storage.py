@@ -1,5 +1,5 @@
 """Loss kernels whose reduced (0-d) loss keeps the storage of every element's loss, which their fake
-kernels do not: completed in the rank's trace, so a loop that keeps its loss keeps what it really keeps.
+kernels do not: completed in the trace, so a loop that keeps its loss keeps what it really keeps.
 
 torch's structured ``mse_loss`` and ``smooth_l1_loss`` make their output at the broadcast shape of
 input and target and then ``resize_({})`` it to a scalar (their meta functions in ATen's
