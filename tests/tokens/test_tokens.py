@@ -225,7 +225,7 @@ def test_the_command_prints_each_bucket_and_the_stacks_lines_and_writes_json(tmp
     [
         (["--buckets", "32,x"], "separated by commas"),
         (["--buckets", "32", "--max-seq-len", "64"], "or the longest length"),
-        (["--max-seq-len", "0"], "positive integer"),
+        (["--max-seq-len", "0"], "max_seq_len must be at least 1"),
     ],
 )
 def test_bad_input_to_the_command_is_one_line_and_exit_code_2(args, message):
