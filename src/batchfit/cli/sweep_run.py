@@ -13,6 +13,7 @@ from rich.table import Table
 from batchfit.bounds import LARGEST_SIZE
 from batchfit.cli.common import Amp
 from batchfit.cli.common import Mode
+from batchfit.cli.common import check_outputs
 from batchfit.cli.common import console
 from batchfit.cli.common import parse_margin
 from batchfit.cli.workloads import load_workload
@@ -21,6 +22,7 @@ from batchfit.devices.presets import refuse_preset
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
+from batchfit.files import STDOUT
 from batchfit.search.cache import ResultCache
 from batchfit.sweep.api import sweep_grid
 from batchfit.sweep.results import SweepResult
@@ -102,6 +104,12 @@ def run_sweep(
 ) -> None:
     """The body of ``batchfit sweep`` (see its help): the largest batch of every configuration in a grid, each searched from an estimate."""
     refuse_preset(device)
+    if json_path is not None and str(json_path) == STDOUT:
+        raise InputError(
+            "--json - cannot hold a sweep's results: the file is rewritten after every configuration, so a re-run "
+            "resumes from it; give a path such as sweep.json"
+        )
+    check_outputs(json_path)  # a folder, a socket or a missing folder fails before the first configuration
     knobs = parse_grid(grid)
     fixed = {
         "seq_len": seq_len,
