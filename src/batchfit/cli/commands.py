@@ -82,34 +82,10 @@ def find(
     preset or a config.json, else the workload's own, copied) is sharded with FSDP2 over a fake
     process group of N ranks, and one rank's real trials run on this device: the largest
     micro-batch per rank."""
+    options = locals()  # every option as given, before the body's import adds a name
     from batchfit.cli.find import run_find  # torch and the workload load only when it runs
 
-    run_find(
-        workload=workload,
-        device=device,
-        strategy=strategy,
-        min_batch_size=min_batch_size,
-        max_batch_size=max_batch_size,
-        margin=margin,
-        max_trials=max_trials,
-        max_seconds=max_seconds,
-        trace=trace,
-        cache=cache,
-        cache_dir=cache_dir,
-        seq_len=seq_len,
-        image_size=image_size,
-        amp=amp,
-        keep_output=keep_output,
-        framework=framework,
-        model_settings=model_settings,
-        json_path=json_path,
-        plot=plot,
-        quiet=quiet,
-        parallel=parallel,
-        activation_checkpointing=activation_checkpointing,
-        rank=rank,
-        debug=debug,
-    )
+    run_find(**options)
 
 
 @app.command("estimate", epilog="Example: batchfit estimate gpt-tiny --seq-len 1024 --gpu a100-40gb --batch-size 32")
@@ -159,29 +135,10 @@ def estimate(
     An LLM preset (batchfit list-workloads) or a Hugging Face config.json is built from its config
     on fake tensors and traced per rank: with --gpus N (or --nodes and --gpus-per-node) under
     FSDP2, sharded by torch's own fully_shard over a fake process group."""
+    options = locals()  # every option as given, before the body's import adds a name
     from batchfit.cli.estimate import run_estimate  # torch and the workload load only when it runs
 
-    run_estimate(
-        workload=workload,
-        gpu=gpu,
-        capacity=capacity,
-        reserve=reserve,
-        allocator=allocator,
-        margin=margin,
-        accumulating=accumulating,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        image_size=image_size,
-        amp=amp,
-        keep_output=keep_output,
-        model_settings=model_settings,
-        json_path=json_path,
-        plot=plot,
-        quiet=quiet,
-        parallel=parallel,
-        activation_checkpointing=activation_checkpointing,
-        debug=debug,
-    )
+    run_estimate(**options)
 
 
 @app.command("optimal", epilog="Example: batchfit optimal cnn-small --device sim:512MiB --tolerance 0.05 --plot t.png")
@@ -225,27 +182,10 @@ def optimal(
     debug: Debug = False,
 ) -> None:
     """Maximum is not optimal: time steps across batch sizes and pick the throughput-optimal one."""
+    options = locals()  # every option as given, before the body's import adds a name
     from batchfit.cli.optimal import run_optimal  # torch and the workload load only when it runs
 
-    run_optimal(
-        workload=workload,
-        device=device,
-        max_batch_size=max_batch_size,
-        tolerance=tolerance,
-        safety_fraction=safety_fraction,
-        timing_warmup_steps=timing_warmup_steps,
-        timed_steps=timed_steps,
-        noise_scale=noise_scale,
-        seq_len=seq_len,
-        image_size=image_size,
-        amp=amp,
-        keep_output=keep_output,
-        model_settings=model_settings,
-        json_path=json_path,
-        plot=plot,
-        max_seconds=max_seconds,
-        debug=debug,
-    )
+    run_optimal(**options)
 
 
 @app.command(
@@ -337,36 +277,10 @@ def plan(
     the window's gradients held through forward and backward (as a later micro-batch runs), and
     the plan uses that answer. An LLM preset or a config.json with --gpu and --gpus N (or --nodes
     and --gpus-per-node) is traced per rank under FSDP2 for each activation-checkpointing choice."""
+    options = locals()  # every option as given, before the body's import adds a name
     from batchfit.cli.plan import run_plan  # torch and the workload load only when it runs
 
-    run_plan(
-        workload=workload,
-        micro_batch_size=micro_batch_size,
-        global_batch_size=global_batch_size,
-        global_batch_tokens=global_batch_tokens,
-        seq_len=seq_len,
-        devices=devices,
-        base_lr=base_lr,
-        base_batch_size=base_batch_size,
-        lr_scaling=lr_scaling,
-        warmup_epochs=warmup_epochs,
-        warmup_steps=warmup_steps,
-        dataset_size=dataset_size,
-        epochs=epochs,
-        goal=goal,
-        fine_tuning=fine_tuning,
-        model_family=model_family,
-        device=device,
-        margin=margin,
-        keep_output=keep_output,
-        model_settings=model_settings,
-        json_path=json_path,
-        gpu=gpu,
-        parallel=parallel,
-        activation_checkpointing=activation_checkpointing,
-        verify=verify,
-        debug=debug,
-    )
+    run_plan(**options)
 
 
 @app.command("list-workloads", epilog="Example: batchfit list-workloads --framework mlx")
@@ -376,6 +290,7 @@ def list_workloads(
     ] = Framework.torch,
 ) -> None:
     """Name the built-in workloads, one line each, and the LLM shapes estimate builds from their configs."""
+    options = locals()  # every option as given, before the body's import adds a name
     from batchfit.cli.listing import run_list_workloads  # torch and the workload load only when it runs
 
-    run_list_workloads(framework=framework)
+    run_list_workloads(**options)

@@ -51,21 +51,7 @@ def critical(
     rate scaled linearly from the smallest), validated on a held-out quarter of the rows. That
     costs one training run per size: expensive by nature.
     """
+    options = locals()  # every option as given, before the body's import adds a name
     from batchfit.cli.critical_run import run_critical  # torch and the workload load only when it runs
 
-    run_critical(
-        workload=workload,
-        steps=steps,
-        batch_size=batch_size,
-        micro_batch_size=micro_batch_size,
-        population=population,
-        devices=devices,
-        per_device_batch_size=per_device_batch_size,
-        seed=seed,
-        empirical=empirical,
-        batch_sizes=batch_sizes,
-        samples=samples,
-        seq_len=seq_len,
-        json_path=json_path,
-        debug=debug,
-    )
+    run_critical(**options)

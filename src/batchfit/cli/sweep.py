@@ -72,46 +72,27 @@ def sweep(
     debug: Debug = False,
 ) -> None:
     """The largest batch of every configuration in a grid, each searched from an estimate."""
+    options = locals()  # every option as given, before the body's import adds a name
     from batchfit.cli.sweep_run import run_sweep  # torch and the workload load only when it runs
 
-    run_sweep(
-        workload=workload,
-        grid=grid,
-        device=device,
-        batch_size=batch_size,
-        auto_adjust=auto_adjust,
-        min_batch_size=min_batch_size,
-        strategy=strategy,
-        estimate=estimate,
-        rules=rules,
-        mode=mode,
-        max_new_tokens=max_new_tokens,
-        seq_len=seq_len,
-        image_size=image_size,
-        amp=amp,
-        margin=margin,
-        max_trials=max_trials,
-        measure=measure,
-        json_path=json_path,
-        cache=cache,
-        cache_dir=cache_dir,
-        debug=debug,
-    )
+    run_sweep(**options)
 
 
 @cache_app.command("list", epilog="Example: batchfit cache list --cache-dir /tmp/batchfit-cache")
 @cli_errors
 def cache_list(cache_dir: CacheDir = None, debug: Debug = False) -> None:
     """Show every stored result: what it was for, where, the batch size and when."""
+    options = locals()  # every option as given, before the body's import adds a name
     from batchfit.cli.sweep_run import run_cache_list  # torch and the workload load only when it runs
 
-    run_cache_list(cache_dir=cache_dir, debug=debug)
+    run_cache_list(**options)
 
 
 @cache_app.command("clear", epilog="Example: batchfit cache clear")
 @cli_errors
 def cache_clear(cache_dir: CacheDir = None, debug: Debug = False) -> None:
     """Delete every stored result."""
+    options = locals()  # every option as given, before the body's import adds a name
     from batchfit.cli.sweep_run import run_cache_clear  # torch and the workload load only when it runs
 
-    run_cache_clear(cache_dir=cache_dir, debug=debug)
+    run_cache_clear(**options)

@@ -74,25 +74,7 @@ def tokens(
 
     An LLM preset or a config.json (with --gpus N and --gpu) is traced per rank under FSDP2, each bucket
     padded, and with --verify proved by one rank's real trials."""
+    options = locals()  # every option as given, before the body's import adds a name
     from batchfit.cli.tokens_run import run_tokens  # torch and the workload load only when it runs
 
-    run_tokens(
-        workload=workload,
-        buckets=buckets,
-        max_seq_len=max_seq_len,
-        num_buckets=num_buckets,
-        device=device,
-        margin=margin,
-        packed=packed,
-        forward=forward,
-        accumulating=accumulating,
-        amp=amp,
-        keep_output=keep_output,
-        model_settings=model_settings,
-        gpu=gpu,
-        verify=verify,
-        json_path=json_path,
-        parallel=parallel,
-        activation_checkpointing=activation_checkpointing,
-        debug=debug,
-    )
+    run_tokens(**options)
