@@ -74,5 +74,11 @@ reliability: $(STAMP)
 	$(BIN)/python benchmarks/reliability.py
 	$(BIN)/python benchmarks/fault_campaigns.py
 
+# The GPU check (benchmarks/gpu_check.py): on a machine with an NVIDIA GPU, with that machine's python (no .venv),
+# under 8 minutes; without a GPU it exits 2 at once. Options: make gpu-check GPU_CHECK_ARGS="--out DIR --budget S".
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info
