@@ -3,6 +3,7 @@ a body that loads the library when it runs (``batchfit.cli.commands`` and the mo
 
 from __future__ import annotations
 
+from batchfit.cli import allocator as allocator_command  # noqa: F401  (registers allocator)
 from batchfit.cli import commands  # noqa: F401  (registers find, estimate, optimal, plan, list-workloads)
 from batchfit.cli import critical  # noqa: F401  (registers critical)
 from batchfit.cli import sweep  # noqa: F401  (registers sweep and cache)

@@ -70,6 +70,14 @@ def find(
     model_settings: SetOption = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of peak memory against batch size here.")] = None,
+    memory_snapshot: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write the answer's trial, run again, as a PyTorch memory snapshot here (on a CUDA GPU, or a "
+            "device modelling its caching allocator: sim:CAPACITY:cuda); view it at pytorch.org/memory_viz or "
+            "replay it with batchfit allocator."
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the batch size.")] = False,
     parallel: sharded.ParallelOptions = sharded.NO_PARALLEL_OPTIONS,
     activation_checkpointing: sharded.Checkpointing = "none",
@@ -125,6 +133,13 @@ def estimate(
     model_settings: SetOption = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the estimate as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the memory curve here.")] = None,
+    memory_snapshot: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write the traced trial at the answer (or at --batch-size) as a PyTorch memory snapshot of the "
+            "modelled caching allocator here; view it at pytorch.org/memory_viz or replay it with batchfit allocator."
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the largest batch size.")] = False,
     parallel: sharded.ParallelOptions = sharded.NO_PARALLEL_OPTIONS,
     activation_checkpointing: sharded.Checkpointing = "none",

@@ -29,6 +29,9 @@ from batchfit.cli.report import breakdown_table
 from batchfit.cli.report import print_result
 from batchfit.cli.report import result_document
 from batchfit.cli.sharded import ParallelOptions
+from batchfit.cli.snapshot_trials import SHARDED_SNAPSHOT
+from batchfit.cli.snapshot_trials import check_snapshot_output
+from batchfit.cli.snapshot_trials import write_memory_snapshot
 from batchfit.devices.presets import preset
 from batchfit.devices.trace import TraceDevice
 from batchfit.devices.trace import tracing
@@ -71,6 +74,7 @@ def run_estimate(
     parallel: ParallelOptions,
     activation_checkpointing: str,
     debug: bool,
+    memory_snapshot: Path | None = None,
 ) -> None:
     """The body of ``batchfit estimate`` (see its help): estimate memory without the hardware: the largest batch that fits on a GPU, and a breakdown."""
 
@@ -79,6 +83,8 @@ def run_estimate(
     if batch_size is not None and batch_size < 1:
         raise InputError(f"--batch-size must be a positive integer, got {batch_size}")
     route = route_workload(workload, parallel.asked)
+    if memory_snapshot is not None and route is not Route.OWN:
+        raise InputError(SHARDED_SNAPSHOT)
     if reserve is not None and gpu is None:
         raise InputError("--reserve overrides a GPU preset's reserve: give --gpu, or a smaller --capacity instead")
     reserve_bytes = None if reserve is None else parse_bytes(reserve, what="reserve", allow_zero=True)
@@ -106,6 +112,8 @@ def run_estimate(
     SearchSettings(margin=headroom or 0)  # a bad margin fails here, before the model is built
     label = preset(gpu).label if gpu else None  # an unknown name fails here, naming the presets
     tracer = TraceDevice(gpu or capacity, reserve_bytes=reserve_bytes, allocator=allocator_kind)
+    if memory_snapshot is not None:
+        check_snapshot_output(memory_snapshot, tracer)
     work, options = load_for_cli(workload, seq_len, image_size, amp, keep_output=keep_output, settings=model_settings)
     if accumulating:
         work = dataclasses.replace(work, accumulating=True)
@@ -150,6 +158,8 @@ def run_estimate(
         from batchfit.cli.plots import plot_search
 
         plot_search(largest, plot)
+    if memory_snapshot is not None:  # the traced trial at the answer, or at --batch-size
+        write_memory_snapshot(work, searched, at, memory_snapshot, quiet=quiet)
 
 
 UNCOUNTED_HEADROOM = 0.05  # the share of the card an estimate leaves for what only the card sizes (cuDNN)

@@ -26,6 +26,9 @@ from batchfit.cli.report import print_result
 from batchfit.cli.report import result_document
 from batchfit.cli.report import trials_table
 from batchfit.cli.sharded import ParallelOptions
+from batchfit.cli.snapshot_trials import SHARDED_SNAPSHOT
+from batchfit.cli.snapshot_trials import check_snapshot_output
+from batchfit.cli.snapshot_trials import write_memory_snapshot
 from batchfit.devices.base import Device
 from batchfit.devices.presets import refuse_preset
 from batchfit.errors import InputError
@@ -67,6 +70,7 @@ def run_find(
     activation_checkpointing: str,
     rank: int,
     debug: bool,
+    memory_snapshot: Path | None = None,
 ) -> None:
     """The body of ``batchfit find`` (see its help): find the largest batch size that really fits: every answer is a size a trial ran."""
     refuse_preset(device)
@@ -93,6 +97,10 @@ def run_find(
         dev = device_for(work, device)
         heading = one_rank.header(work, dev)
     check_outputs(json_path, plot)
+    if memory_snapshot is not None:
+        if route is not Route.OWN:
+            raise InputError(SHARDED_SNAPSHOT)
+        check_snapshot_output(memory_snapshot, dev)
     if not quiet:
         console.print(heading)
     done: list[Trial] = []
@@ -129,6 +137,8 @@ def run_find(
         plot_search(result, plot)
     if not quiet and (json_path or plot):
         console.print("Wrote " + " and ".join(str(p) for p in (json_path, plot) if p is not None))
+    if memory_snapshot is not None:  # the answer's trial, run again
+        write_memory_snapshot(work, dev, result.batch_size, memory_snapshot, quiet=quiet)
 
 
 def _search_live(work: Any, dev: Device, done: list[Trial], quiet: bool, **settings: Any) -> SearchResult:
