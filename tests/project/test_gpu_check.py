@@ -92,6 +92,7 @@ def test_the_card_is_mapped_to_its_preset(card, total, preset):
         bf.TraceDevice(preset)  # a preset batchfit knows
 
 
+@pytest.mark.slow  # builds every outside model and runs a step of each: about 9 s (make reliability)
 def test_the_dry_run_builds_every_model_on_the_cpu():
     done = subprocess.run(
         [sys.executable, str(CHECK), "--dry-run", "--no-step"], capture_output=True, text=True, env=_env(), timeout=300
@@ -164,6 +165,7 @@ def test_the_bundle_stays_within_what_a_lent_machine_sends_back(tmp_path, monkey
         assert tar.getnames() == ["snapshots/m00-default-8.pickle.gz", "snapshots/m01-default-8.pickle.gz"]
 
 
+@pytest.mark.slow  # the whole run on the CPU with tiny models: about 15 s (make reliability)
 def test_the_smoke_run_writes_the_figures_and_the_comparison_reads_them(tmp_path):
     out = tmp_path / "run"
     done = subprocess.run(
@@ -205,6 +207,7 @@ def test_the_fixture_says_its_figures_are_synthetic():
     assert "TEST FIXTURE" in figures["machine"]["card"]
 
 
+@pytest.mark.slow  # traces each fixture model for the preset: about 13 s (make reliability)
 def test_the_comparison_of_the_fixture_makes_the_librarys_predictions(tmp_path):
     pytest.importorskip("transformers", reason="the fixture's GPT-2 is Hugging Face's")
     report, predictions = tmp_path / "comparison.md", tmp_path / "comparison.json"
