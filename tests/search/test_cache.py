@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 import batchfit as bf
 import batchfit._version
+from batchfit.errors import InputError
 from batchfit.search.cache import ResultCache
 from batchfit.search.cache import default_cache_dir
 from batchfit.search.fingerprint import fingerprint
@@ -240,3 +241,18 @@ def test_clear_and_entries(tmp_path):
         cache.put(f"k{index}", {"batch_size": index}, label=f"w{index}", device="sim", fields={})
     assert [e.label for e in cache.entries()] == ["w0", "w1", "w2"]
     assert cache.clear() == 3 and cache.entries() == [] and cache.get("k1") is None
+
+
+def test_a_read_only_cache_reads_and_never_writes(tmp_path):
+    reader = ResultCache(tmp_path / "cache", read_only=True)
+    assert reader.get("k1") is None and not (tmp_path / "cache").exists()  # a reader creates nothing
+    writer = ResultCache(tmp_path / "cache")
+    writer.put("k1", {"batch_size": 8}, label="mlp", device="sim:1MiB", fields={})
+    assert reader.get("k1").result == {"batch_size": 8}
+    with pytest.raises(InputError, match="opened read-only: store through its writer"):
+        reader.put("k2", {"batch_size": 9}, label="mlp", device="sim:1MiB", fields={})
+    with sqlite3.connect(writer.path) as connection:  # a damaged row: a miss for the reader, which leaves it
+        connection.execute("UPDATE results SET checksum = 'x' WHERE key = 'k1'")
+    assert reader.get("k1") is None
+    with sqlite3.connect(writer.path) as connection:
+        assert connection.execute("SELECT count(*) FROM results").fetchone() == (1,)

@@ -33,6 +33,8 @@ app.add_typer(cache_app, name="cache")
 @app.command(
     "sweep",
     epilog="Example: batchfit sweep gpt-tiny --grid seq_len=32,64,128 --grid layers=2,4 --device sim:256MiB --json sweep.json\n\n"
+    "On this node's GPUs, one fresh process per configuration: batchfit sweep model.py:build --grid seq_len=512,1024 "
+    "--engine local --slots cuda:0,cuda:1 --json sweep.json (re-run it to resume)\n\n"
     'Rules file (--rules, JSON or TOML): {"base_batch_size": 64, "knobs": {"max_crops": [{"upto": 2, "scale": 1.0}, '
     '{"upto": 12, "scale": 0.3}, {"scale": 0.25}], "num_active_blocks": {"ratio_of": 24}}}',
 )
@@ -69,6 +71,32 @@ def sweep(
     ] = None,
     cache: Annotated[bool, typer.Option(help="Answer configurations searched before from the result cache.")] = True,
     cache_dir: CacheDir = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="Where configurations run: inline (one after another here), local (a fresh process each on this "
+            "node's slots), slurm or ray; auto: local when several GPUs are visible."
+        ),
+    ] = "auto",
+    slots: Annotated[
+        str | None, typer.Option(help="local: the devices, one configuration at a time on each (cuda:0,cuda:1).")
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="local: this many slots on a simulated device or the CPU.")
+    ] = None,
+    ray_address: Annotated[
+        str | None, typer.Option(help="ray: the cluster (auto, ray://host:10001); default a local one.")
+    ] = None,
+    partition: Annotated[str | None, typer.Option(help="slurm: the partition.")] = None,
+    time_min: Annotated[int | None, typer.Option(help="slurm: each job's time limit in minutes (default 60).")] = None,
+    gpus_per_task: Annotated[
+        float | None, typer.Option(help="slurm, ray: GPUs per configuration (default 1 on CUDA, else 0).")
+    ] = None,
+    cpus_per_task: Annotated[int | None, typer.Option(help="slurm, ray: CPUs per configuration (default 1).")] = None,
+    slurm_folder: Annotated[
+        Path | None, typer.Option(help="slurm: submitit's folder for jobs and logs (default batchfit-slurm).")
+    ] = None,
+    max_parallel: Annotated[int | None, typer.Option(help="slurm, ray: at most this many at once.")] = None,
     debug: Debug = False,
 ) -> None:
     """The largest batch of every configuration in a grid, each searched from an estimate."""

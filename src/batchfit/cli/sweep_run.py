@@ -4,6 +4,7 @@ the command runs."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
 from batchfit.files import STDOUT
 from batchfit.search.cache import ResultCache
+from batchfit.sweep.api import grid_configs
 from batchfit.sweep.api import sweep_grid
 from batchfit.sweep.results import SweepResult
 
@@ -57,25 +59,54 @@ def parse_grid(specs: list[str]) -> dict[str, list[Any]]:
     return grid
 
 
-def _factory(spec: str, fixed: dict[str, Any], grid: dict[str, list[Any]]) -> Any:
+@dataclass(frozen=True)
+class WorkloadBuilder:
+    """Builds a configuration's workload by its spec (picklable: a sweep's worker process builds it too)."""
+
+    spec: str
+    fixed: dict[str, Any]
+
+    @property
+    def __name__(self) -> str:
+        return self.spec
+
+    def __call__(self, **knobs: Any) -> Any:
+        return load_workload(self.spec, **self.fixed, **knobs)
+
+
+@dataclass(frozen=True)
+class SpecFunction:
+    """The function ``module:function`` or ``path/to/file.py:function``, found where it is called."""
+
+    spec: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return resolve_factory(self.spec)[1](*args, **kwargs)
+
+
+def _factory(spec: str, fixed: dict[str, Any], grid: dict[str, list[Any]]) -> WorkloadBuilder:
     clash = sorted(set(fixed) & set(grid))
     if clash:
         raise InputError(f"{', '.join(clash)} is both a fixed option and a --grid knob: give it in one place")
     resolve_factory(spec)  # an unknown workload fails before any work
-
-    def build(**knobs: Any) -> Any:
-        return load_workload(spec, **fixed, **knobs)
-
-    build.__name__ = spec
-    return build
+    return WorkloadBuilder(spec, fixed)
 
 
-def _measure(spec: str | None) -> Any:
+def _measure(spec: str | None) -> SpecFunction | None:
     if spec is None:
         return None
     if ":" not in spec:
         raise InputError(f"--measure {spec!r} must be module:function or path/to/file.py:function")
-    return resolve_factory(spec)[1]
+    resolve_factory(spec)  # a missing function fails before any work
+    return SpecFunction(spec)
+
+
+def _engine_options(**given: Any) -> dict[str, Any]:
+    """The engine options given on the command line (``--slots cuda:0,cuda:1`` as a list)."""
+    options = {key: value for key, value in given.items() if value is not None}
+    if "slots" in options:
+        options["slots"] = [slot.strip() for slot in options["slots"].split(",") if slot.strip()]
+    return options
 
 
 def run_sweep(
@@ -100,6 +131,16 @@ def run_sweep(
     json_path: Path | None,
     cache: bool,
     cache_dir: Path | None,
+    engine: str,
+    slots: str | None,
+    workers: int | None,
+    ray_address: str | None,
+    partition: str | None,
+    time_min: int | None,
+    gpus_per_task: float | None,
+    cpus_per_task: int | None,
+    slurm_folder: Path | None,
+    max_parallel: int | None,
     debug: bool,
 ) -> None:
     """The body of ``batchfit sweep`` (see its help): the largest batch of every configuration in a grid, each searched from an estimate."""
@@ -122,8 +163,25 @@ def run_sweep(
     factory = _factory(workload, fixed, knobs)
     sources = [source.strip() for source in estimate.split(",") if source.strip()]
     store: Any = (cache_dir or True) if cache else False
+    options = _engine_options(
+        slots=slots,
+        workers=workers,
+        address=ray_address,
+        partition=partition,
+        time_min=time_min,
+        gpus_per_task=gpus_per_task,
+        cpus_per_task=cpus_per_task,
+        folder=str(slurm_folder) if slurm_folder is not None else None,
+        max_parallel=max_parallel,
+    )
     start = time.perf_counter()
-    with console.status("Sweeping", spinner="dots"):
+    with console.status("Sweeping", spinner="dots") as status:
+
+        def progress(counts: Any) -> None:
+            status.update(
+                f"Sweeping: {counts['done']}/{len(grid_configs(knobs))} done, {counts['running']} running, {counts['failed']} failed"
+            )
+
         result = sweep_grid(
             factory,
             knobs,
@@ -141,6 +199,9 @@ def run_sweep(
             max_trials=max_trials,
             log=lambda line: console.print(escape(line), highlight=False, soft_wrap=True),
             name=workload,
+            engine=engine,
+            engine_options=options or None,
+            progress=progress,
         )
     console.print(sweep_table(result))
     console.print(f"[bold green]{escape(result.summary(seconds=time.perf_counter() - start))}[/]")

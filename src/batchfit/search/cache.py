@@ -112,9 +112,10 @@ class ResultCache:
     (8, None)
     """
 
-    def __init__(self, directory: str | Path | None = None):
+    def __init__(self, directory: str | Path | None = None, *, read_only: bool = False):
         self.directory = Path(directory).expanduser() if directory is not None else default_cache_dir()
         self.path = self.directory / FILE_NAME
+        self.read_only = read_only  # a sweep's worker reads; its driver alone writes (SQLite keeps one writer)
         self.disabled_reason: str | None = None
         if self.directory.exists() and not self.directory.is_dir():
             raise InputError(
@@ -126,9 +127,11 @@ class ResultCache:
     def get(self, key: str) -> CacheEntry | None:
         """The entry stored under ``key``, or ``None``: also when the row fails its checksum (edited
         by hand, damaged, or stored without one), which then goes."""
+        if self.read_only and not self.path.is_file():
+            return None  # nothing stored yet: a reader creates nothing
         rows = self._run(f"SELECT {_COLUMNS} FROM results WHERE key = ?", (key,))
         entries = _entries(rows or [])
-        if rows and not entries:  # a damaged row is a miss, and goes
+        if rows and not entries and not self.read_only:  # a damaged row is a miss, and goes
             if rows[0][-1] is not None:
                 logger.info("batchfit: the cached answer %s failed its checksum; measuring again", key[:12])
             self._run("DELETE FROM results WHERE key = ?", (key,))
@@ -136,6 +139,8 @@ class ResultCache:
 
     def put(self, key: str, result: dict[str, Any], *, label: str, device: str, fields: dict[str, Any]) -> None:
         """Store ``result`` (JSON-ready) under ``key`` with its checksum, replacing what was there."""
+        if self.read_only:
+            raise InputError(f"the result cache {self.path} was opened read-only: store through its writer")
         batch_size, text = result.get("batch_size"), json.dumps(result, default=repr)
         fields_text = json.dumps(fields, default=repr)
         row = (key, time.time(), label, device, batch_size, fields_text, text, checksum(key, batch_size, text))
@@ -165,7 +170,7 @@ class ResultCache:
             except (sqlite3.OperationalError, OSError) as error:  # locked past the timeout, unwritable, ...
                 self._disable(str(error))
             except sqlite3.DatabaseError as error:  # not a database, malformed
-                if attempt == 2:
+                if attempt == 2 or self.read_only:
                     self._disable(str(error))
                 else:
                     self._rebuild(str(error))
@@ -173,6 +178,10 @@ class ResultCache:
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[sqlite3.Connection]:
+        if self.read_only:
+            with contextlib.closing(sqlite3.connect(f"{self.path.as_uri()}?mode=ro", uri=True)) as connection:
+                yield connection  # a file from an older schema reads as a miss (its columns differ)
+            return
         self.directory.mkdir(parents=True, exist_ok=True)
         connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None)
         try:

@@ -19,15 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.search.cached import CacheSpec
 from batchfit.search.runner import DeviceSpec
 from batchfit.search.settings import SearchSettings
 from batchfit.step.workload import Workload
+from batchfit.sweep.config_search import Measure
+from batchfit.sweep.config_search import SweepSettings
+from batchfit.sweep.engines.options import EngineOptions
+from batchfit.sweep.engines.options import check_engine
+from batchfit.sweep.fan_out import FanOut
 from batchfit.sweep.results import SweepResult
 from batchfit.sweep.rules import ScaleRules
-from batchfit.sweep.runner import Measure
 from batchfit.sweep.runner import SweepRunner
-from batchfit.sweep.runner import SweepSettings
 from batchfit.sweep.sources import ESTIMATE_SOURCES
 
 logger = logging.getLogger("batchfit")
@@ -69,6 +73,9 @@ def sweep_grid(
     log: Callable[[str], None] | None = None,
     name: str | None = None,
     settings: SearchSettings | None = None,
+    engine: str = "auto",
+    engine_options: EngineOptions | Mapping[str, Any] | None = None,
+    progress: Callable[[Mapping[str, int]], None] | None = None,
 ) -> SweepResult:
     """The largest batch of every configuration of ``grid``: ``factory(**knobs)`` builds each one's
     ``Workload`` (any mode: ``train``, ``eval``, ``generate``).
@@ -86,6 +93,16 @@ def sweep_grid(
     ``settings`` (a ``SearchSettings``) gives the search settings in one object; ``max_batch_size``,
     ``min_batch_size``, ``strategy``, ``margin``, ``max_trials`` and ``steps`` are its aliases (one form or the
     other).
+
+    ``engine`` fans the configurations out, each in a fresh process: ``"local"`` (this node's slots:
+    every visible GPU, or ``engine_options={"workers": 2}`` on a simulated device), ``"slurm"`` (submitit job
+    arrays; ``pip install 'batchfit[slurm]'``) or ``"ray"`` (``pip install 'batchfit[ray]'``); ``"inline"``
+    runs them one after another in this process; ``"auto"`` (default) is ``local`` where a string ``device``
+    sees several GPUs, else ``inline``. ``engine_options`` (an ``EngineOptions`` or a dict of its fields) says
+    where; ``progress`` receives the counts (done, running, failed) as records arrive. Under an engine the
+    factory and ``measure`` must be importable by another process (functions at a module's top level) and
+    ``device`` a string; a configuration whose factory raises, or whose process dies twice, is recorded with
+    its error and the sweep goes on (a later run retries it).
 
     >>> import batchfit as bf
     >>> from batchfit.step.builtin_workloads import gpt_tiny
@@ -114,4 +131,50 @@ def sweep_grid(
         rules = ScaleRules.from_dict(rules)
     settings = SweepSettings(search, auto_adjust, tuple(estimate), rules, log or logger.info)
     label = name or getattr(factory, "__name__", "workload")
-    return SweepRunner(factory, device, settings, cache, measure).run(configs, results_path, label)
+    chosen = choose_engine(engine, device)
+    if chosen == "inline":
+        if engine_options:
+            raise InputError("engine_options are for the local, slurm or ray engine: give engine= one of them")
+        return SweepRunner(factory, device, settings, cache, measure).run(configs, results_path, label)
+    fan = FanOut(factory, _device_text(device), settings, cache, measure, progress)
+    return fan.run(chosen, _engine_options(engine_options), configs, results_path, label)
+
+
+def choose_engine(engine: str, device: DeviceSpec) -> str:
+    """``engine`` as given, or for ``"auto"``: ``local`` where a string ``device`` (``auto``, ``cuda``) sees
+    several GPUs, else ``inline``."""
+    if engine != "auto":
+        check_engine(engine)
+        return engine
+    if isinstance(device, str) and device in ("auto", "cuda"):
+        from batchfit.sweep.engines.local import visible_gpus
+
+        return "local" if visible_gpus() > 1 else "inline"
+    return "inline"
+
+
+def _device_text(device: DeviceSpec) -> str:
+    if device is None:
+        return "auto"
+    if not isinstance(device, str):
+        raise InputTypeError(
+            f"an engine sends the device to other processes as a string, got {type(device).__name__}: "
+            "give device='sim:256MiB', 'cuda' or 'auto'"
+        )
+    return device
+
+
+def _engine_options(options: EngineOptions | Mapping[str, Any] | None) -> EngineOptions:
+    if options is None or isinstance(options, EngineOptions):
+        return options or EngineOptions()
+    if not isinstance(options, Mapping):
+        raise InputTypeError(f"engine_options must be an EngineOptions or a dict, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(EngineOptions.__dataclass_fields__))
+    if unknown:
+        raise InputError(
+            f"unknown engine option(s) {unknown}: choose from {', '.join(EngineOptions.__dataclass_fields__)}"
+        )
+    values = dict(options)
+    if values.get("slots") is not None:
+        values["slots"] = tuple(values["slots"])
+    return EngineOptions(**values)

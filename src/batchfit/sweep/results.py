@@ -85,6 +85,9 @@ class SweepResult:
     knobs: list[str]
     device: str
     path: Path | None
+    ran_on: dict[str, Any] | None = None
+    """Where an engine ran the configurations: ``{"engine": "local", "slots": {"cuda:0": 6, ...}}``
+    (``None``: one after another in this process)."""
 
     @property
     def total_trials(self) -> int:
@@ -107,10 +110,16 @@ class SweepResult:
         """
         cached = sum(1 for record in self.records if record.get("cached"))
         failed = [describe({k: r[k] for k in self.knobs}) for r in self.records if not r.get("fits", True)]
+        broken = [describe({k: r[k] for k in self.knobs}) for r in self.records if r.get("failure")]
+        failed = [label for label in failed if label not in broken]
         took = f", {seconds:.1f} s" if seconds is not None else ""
         line = f"{len(self.records)} configurations, {self.total_trials} trials ({cached} from the result cache){took}."
-        return line + (f" Nothing fitted for: {'; '.join(failed)}." if failed else "")
+        if self.ran_on is not None:
+            slots = ", ".join(f"{slot} ({count})" for slot, count in self.ran_on["slots"].items())
+            line += f" Ran on the {self.ran_on['engine']} engine: {slots}."
+        line += f" Nothing fitted for: {'; '.join(failed)}." if failed else ""
+        return line + (f" No answer (raised or died; run again to retry): {'; '.join(broken)}." if broken else "")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: every record (under ``summary``, the results file's key), the knobs and the device."""
-        return {"summary": self.records, "knobs": self.knobs, "device": self.device}
+        return {"summary": self.records, "knobs": self.knobs, "device": self.device, "ran_on": self.ran_on}

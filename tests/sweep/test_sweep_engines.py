@@ -1,0 +1,112 @@
+"""Sweeps fanned out on the local engine: each configuration in a fresh process, the same answers as the
+sequential sweep, a worker killed mid-search sent again (never an out-of-memory bound), a factory that raises
+recorded while the sweep goes on; the driver's schedule (extremes first) and its job ids beside the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from batchfit.errors import InputError
+from batchfit.sweep.api import sweep_grid
+from batchfit.sweep.engines import EngineOptions
+from batchfit.sweep.engines import check_engine
+from batchfit.sweep.engines import options
+from batchfit.sweep.engines.local import LocalEngine
+from batchfit.sweep.engines.local import plan_slots
+from batchfit.sweep.jobs import portable
+from batchfit.sweep.parallel import JobTokens
+from batchfit.sweep.schedule import extremes_first
+from engine_workloads import MARKER_VARIABLE
+from engine_workloads import gpt_faulty
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+DEVICE = "sim:12MiB"
+ANSWER = ("batch_size_used", "fits", "exact", "peak_bytes", "held_bytes", "limit_bytes")
+
+
+@pytest.fixture
+def workers_import_the_tests(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(SUPPORT))
+
+
+def _answers(records):
+    return {r["seq_len"]: {k: r.get(k) for k in ANSWER} for r in records}
+
+
+def test_a_killed_worker_is_sent_again_a_raising_factory_is_recorded_and_the_answers_are_the_sequential_ones(
+    tmp_path, monkeypatch, workers_import_the_tests
+):
+    inline = sweep_grid(gpt_faulty, {"seq_len": [8, 16, 32]}, device=DEVICE, cache=False, engine="inline")
+    monkeypatch.setenv(MARKER_VARIABLE, str(tmp_path))
+    lines: list[str] = []
+    results = tmp_path / "sweep.json"
+    local = sweep_grid(
+        gpt_faulty,
+        {"seq_len": [8, 16, 24, 32], "dies_at": [16], "raises_at": [24]},
+        device=DEVICE,
+        cache=False,
+        engine="local",
+        engine_options={"workers": 2},
+        results_path=results,
+        log=lines.append,
+    )
+    fitted = [r for r in local.records if r["seq_len"] != 24]
+    assert _answers(fitted) == _answers(inline.records)
+    assert all(r["exact"] for r in fitted)
+    # The extremes went first (8 and 32), then 16 and 24, each started from the memory model.
+    sent = [line.split("Sent seq_len=")[1].split(",")[0] for line in lines if "Sent " in line]
+    assert sent == ["8", "32", "16", "24", "16"]
+    # 16's first process was killed at its second loss, mid-search; it ran again in a new process.
+    assert (tmp_path / "died-16").is_file()
+    assert [line.split("] ", 1)[1] for line in lines if "died:" in line] == [
+        "✗ The worker for seq_len=16, dies_at=16, raises_at=24 died: "
+        "killed by SIGKILL (the host's out-of-memory killer, or a kill)"
+    ]
+    by_len = {r["seq_len"]: r for r in local.records}
+    assert [by_len[n]["ran_on"]["attempt"] for n in (8, 16, 32)] == [1, 2, 1]
+    assert by_len[16]["estimate_source"] == "model"
+    # 24's factory raised: recorded with its error, the sweep went on.
+    assert (by_len[24]["failure"], by_len[24]["batch_size_used"]) == ("raised", None)
+    assert by_len[24]["error"] == "ValueError: no such configuration in this model"
+    # The file holds every record as it arrived; no job ids are left beside it.
+    written = [r["seq_len"] for r in json.loads(results.read_text())["summary"]]
+    assert sorted(written[:2]) == [8, 32] and sorted(written) == [8, 16, 24, 32]
+    assert not results.with_name("sweep.json.jobs.json").exists()
+    summary = local.summary()
+    assert "Ran on the local engine: worker 1" in summary
+    assert "No answer (raised or died; run again to retry): seq_len=24, dies_at=16, raises_at=24." in summary
+
+
+def test_extremes_go_first_and_job_ids_outlive_the_driver(tmp_path):
+    ordered, corners = extremes_first([{"seq_len": s, "attn": a} for s in (8, 16, 32) for a in ("sdpa", "eager")])
+    assert corners == 4
+    assert [(c["seq_len"], c["attn"]) for c in ordered[:4]] == [(8, "sdpa"), (8, "eager"), (32, "sdpa"), (32, "eager")]
+    tokens = JobTokens(tmp_path / "sweep.json")
+    tokens.set({"seq_len": 8}, "1234_0")
+    assert JobTokens(tmp_path / "sweep.json").get({"seq_len": 8}) == "1234_0"  # a new driver reads it
+    tokens.set({"seq_len": 8}, None)
+    assert not (tmp_path / "sweep.json.jobs.json").exists()
+
+
+def test_engines_refuse_what_they_cannot_do(monkeypatch):
+    with pytest.raises(InputError, match="unknown engine 'mpi': choose from inline, local, slurm, ray"):
+        check_engine("mpi")
+    monkeypatch.setitem(options.EXTRAS, "ray", "batchfit_no_such_module")
+    with pytest.raises(
+        InputError, match=r"the ray engine needs batchfit_no_such_module: pip install 'batchfit\[ray\]'"
+    ):
+        check_engine("ray")
+    with pytest.raises(InputError, match="--slots \\(devices\\) or --workers"):
+        plan_slots(EngineOptions(slots=("cuda:0",), workers=2), "cuda")
+    with pytest.raises(InputError, match="slot 'cpu' is not a CUDA device"):
+        plan_slots(EngineOptions(slots=("cpu",)), "cuda")
+    with pytest.raises(InputError, match="--partition is for the slurm or ray engine"):
+        LocalEngine.make(EngineOptions(partition="gpu"), DEVICE)
+    assert [label for label, _ in plan_slots(EngineOptions(slots=("cuda:1", "cuda:3")), "cuda")] == ["cuda:1", "cuda:3"]
+    with pytest.raises(InputError, match="cannot be sent to another process"):
+        portable(lambda seq_len: None, "factory")
+    with pytest.raises(InputError, match="engine_options are for the local, slurm or ray engine"):
+        sweep_grid(gpt_faulty, {"seq_len": [8]}, device=DEVICE, engine="inline", engine_options={"workers": 2})
