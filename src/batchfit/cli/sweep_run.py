@@ -218,15 +218,24 @@ def run_sweep(
 def sweep_table(result: SweepResult) -> Table:
     """One row per configuration: knobs, batch used, estimate and its source, trials, peak."""
     table = Table(title=f"Sweep on {result.device}", title_justify="left")
-    for column in [*result.knobs, "batch size", "estimated", "trials", "peak", "note"]:
-        table.add_column(column, justify="right" if column != "note" else "left")
+    slots = ["ran on"] if result.ran_on is not None else []
+    for column in [*result.knobs, "batch size", "estimated", "trials", "peak", *slots, "note"]:
+        table.add_column(column, justify="right" if column not in ("note", "ran on") else "left")
     for record in result.records:
         estimated = f"{record['estimated']} ({record['estimate_source']})" if record.get("estimated") else ""
         note = "cache" if record.get("cached") else (record.get("error") or "")[:60]
         peak = format_bytes(record["peak_bytes"]) if record.get("peak_bytes") else ""
         row = [*(str(record[k]) for k in result.knobs), str(record["batch_size_used"]), estimated]
-        table.add_row(*row, str(len(record["trials"])), peak, escape(note))
+        where = [_ran_on(record)] if slots else []
+        table.add_row(*row, str(len(record["trials"])), peak, *where, escape(note))
     return table
+
+
+def _ran_on(record: dict[str, Any]) -> str:
+    """Where an engine ran the configuration: its slot, and the attempt when it was sent again."""
+    ran = record.get("ran_on") or {}
+    attempt = f" (attempt {ran['attempt']})" if ran.get("attempt", 1) > 1 else ""
+    return escape(str(ran.get("slot", ""))) + attempt
 
 
 def run_cache_list(
