@@ -145,3 +145,19 @@ def test_a_sweep_where_no_configuration_fits_prints_its_table_then_exits_2_in_on
     assert result.exit_code == 2, result.output
     assert "Nothing fitted for" in result.output and out.exists()  # the table and the results file come first
     assert result.stderr.startswith("error: no configuration fitted on sim:1.0MiB") and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--engine", "mpi"], "unknown engine 'mpi': choose from inline, local, slurm, ray"),
+        (["--engine", "local", "--workers", "2", "--partition", "gpu"], "--partition is for the slurm or ray engine"),
+        (["--workers", "2", "--slots", "cuda:0"], "give --slots (devices) or --workers (a count), not both"),
+        (["--engine", "local", "--slots", "cuda:0,cuda:0"], "must name each device once"),
+        (["--engine", "local", "--workers", "0"], "--workers must be between 1 and 1024, got 0"),
+    ],
+)
+def test_sweep_engine_options_that_cannot_work_are_one_line(flags, message):
+    result = invoke(*SWEEP, *flags)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output

@@ -131,21 +131,24 @@ def sweep_grid(
         rules = ScaleRules.from_dict(rules)
     settings = SweepSettings(search, auto_adjust, tuple(estimate), rules, log or logger.info)
     label = name or getattr(factory, "__name__", "workload")
-    chosen = choose_engine(engine, device)
+    options = _engine_options(engine_options)
+    chosen = choose_engine(engine, device, options)
     if chosen == "inline":
-        if engine_options:
+        if options != EngineOptions():
             raise InputError("engine_options are for the local, slurm or ray engine: give engine= one of them")
         return SweepRunner(factory, device, settings, cache, measure).run(configs, results_path, label)
     fan = FanOut(factory, _device_text(device), settings, cache, measure, progress)
-    return fan.run(chosen, _engine_options(engine_options), configs, results_path, label)
+    return fan.run(chosen, options, configs, results_path, label)
 
 
-def choose_engine(engine: str, device: DeviceSpec) -> str:
-    """``engine`` as given, or for ``"auto"``: ``local`` where a string ``device`` (``auto``, ``cuda``) sees
-    several GPUs, else ``inline``."""
+def choose_engine(engine: str, device: DeviceSpec, options: EngineOptions | None = None) -> str:
+    """``engine`` as given, or for ``"auto"``: ``local`` when local slots or workers are given, or where a
+    string ``device`` (``auto``, ``cuda``) sees several GPUs, else ``inline``."""
     if engine != "auto":
         check_engine(engine)
         return engine
+    if options is not None and (options.slots is not None or options.workers is not None):
+        return "local"
     if isinstance(device, str) and device in ("auto", "cuda"):
         from batchfit.sweep.engines.local import visible_gpus
 
