@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test check-install lint docs bench reliability clean
+.PHONY: install demo test check-install lint docs bench reliability slurm-check clean
 
 # Some machines set PYTHONDONTWRITEBYTECODE, which would make every process compile the same modules again.
 unexport PYTHONDONTWRITEBYTECODE
@@ -33,7 +33,13 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples docs/hooks .ci
 	$(BIN)/ruff format --check src tests benchmarks examples docs/hooks .ci
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --quiet --strict --site-dir build/site
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow" src tests
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow and not slurm" src tests
+
+# A real single-node Slurm on this machine (as root; installs Debian's slurm-wlm and munge if missing; docs/slurm.md),
+# then the Slurm engine's tests on it (about 55 s from nothing installed). scripts/slurm/stop.sh stops it.
+slurm-check: $(STAMP)
+	bash scripts/slurm/start.sh
+	$(BIN)/python -m pytest -m slurm tests/sweep/test_engine_slurm.py
 
 # The package as a user installs it, in a fresh virtual environment: no extras, the lowest versions admitted,
 # then [plot] and [transformers] (about 100 s; CI runs it after `make test`).

@@ -4,12 +4,16 @@ terminal width left to each test under pytest-xdist."""
 import importlib.util
 import os
 
-OPTIONAL = {"lightning.py": "lightning", "transformers.py": "transformers", "mlx": "mlx"}
+OPTIONAL = {
+    "integrations/lightning.py": "lightning",
+    "integrations/transformers.py": "transformers",
+    "integrations/mlx": "mlx",
+    "sweep/engines/slurm.py": "submitit",
+    "sweep/engines/ray.py": "ray",
+}
 
 collect_ignore = [
-    f"src/batchfit/integrations/{module}"
-    for module, package in OPTIONAL.items()
-    if importlib.util.find_spec(package) is None
+    f"src/batchfit/{module}" for module, package in OPTIONAL.items() if importlib.util.find_spec(package) is None
 ]
 
 # pytest-xdist sets COLUMNS=80 in its workers, and rich fixes a console's width from COLUMNS when the console is

@@ -31,7 +31,7 @@ def describe_device(device: str) -> dict[str, Any]:
     CPU resolved here; a GPU by its name as given (each record's ``ran_on`` says where it ran).
 
     >>> describe_device("sim:1MiB")
-    {'name': 'sim:1MiB', 'capacity_bytes': 1048576, 'simulated': True}
+    {'name': 'sim:1.0MiB', 'capacity_bytes': 1048576, 'simulated': True}
     >>> describe_device("cuda")["capacity_bytes"] is None
     True
     """
