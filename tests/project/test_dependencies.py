@@ -20,7 +20,14 @@ tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Py
 
 PACKAGE = Path(bf.__file__).parent
 PYPROJECT = PACKAGE.parents[1] / "pyproject.toml"
-USER_EXTRAS = ("plot", "lightning", "transformers", "mlx")  # the others (test, docs, bench) are for working on it
+USER_EXTRAS = (
+    "plot",
+    "lightning",
+    "transformers",
+    "mlx",
+    "slurm",
+    "ray",
+)  # the others (test, docs, bench) are for working on it
 # Packages whose every module may import their extra at module level: their __init__ imports the guard first.
 GUARDED_PACKAGES = {"integrations/mlx": "mlx"}
 
@@ -130,5 +137,5 @@ def test_a_guarded_import_must_still_be_in_an_extra(tmp_path):
     (copy / "cli").mkdir(parents=True)
     (copy / "cli" / "export.py").write_text("def to_parquet():\n    import pyarrow\n")
     assert undeclared(copy) == [
-        "cli/export.py:2 imports pyarrow: declare it in an extra (plot, lightning, transformers, mlx)"
+        "cli/export.py:2 imports pyarrow: declare it in an extra (plot, lightning, transformers, mlx, slurm, ray)"
     ]

@@ -81,6 +81,13 @@ SKIPPED_COMMANDS: tuple[tuple[str, str], ...] = (
         " (benchmarks/OFFLOAD.md); tests/cli/test_cli_sharded.py runs --cpu-offload on a small Llama config",
     ),
 )
+SKIPPED_COMMANDS += (
+    (
+        "batchfit sweep gpt-tiny --grid seq_len=8,16 --grid layers=1,2 --device sim:32MiB --engine ray",
+        "starts a Ray cluster and a fresh Ray worker per configuration: about 30 s; tests/sweep/test_engine_ray.py"
+        " runs the same sweep through Ray (make reliability)",
+    ),
+)
 OTHER_SHELL_LANGUAGES = {"sh", "shell", "zsh", "shell-session", "bash-session"}  # write ```bash or ```console
 
 # (text in a README snippet, replacement, why); plain text, each must occur in some snippet.

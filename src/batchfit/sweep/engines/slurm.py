@@ -29,10 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from typing import Any
 
-import submitit
-from submitit.core.utils import FailedJobError
-from submitit.core.utils import UncompletedJobError
-from submitit.slurm.slurm import SlurmJob
+try:
+    import submitit
+    from submitit.core.utils import FailedJobError
+    from submitit.core.utils import UncompletedJobError
+    from submitit.slurm.slurm import SlurmJob
+except ImportError:  # the extra is missing: make_engine names it before this module is used
+    pass
 
 from batchfit.errors import InputError
 from batchfit.sweep.engines.base import Ended
