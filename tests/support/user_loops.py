@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
+from soak_loops import to_device_model
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def loop_failure(
     reached = 0
     try:
         with device.measuring(uncounted=[*originals, inputs, targets, *host_tensors]):
-            model._apply(torch.clone)  # model.to(device): torch's order, every copy counted
+            to_device_model(model)  # model.to(device): torch's order, every storage copied once and counted
             batch: Any = None
             out = loss = None
             for x, y in hosts:

@@ -79,6 +79,16 @@ def find(
         ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the batch size.")] = False,
+    soak: Annotated[
+        int | None,
+        typer.Option(
+            help="Answer for a run of this many steps (e.g. 1000), replayed through the caching allocator model "
+            "(sim:CAPACITY:cuda): the largest batch that holds for every step; the fresh-cache answer beside it."
+        ),
+    ] = None,
+    eval_every: Annotated[
+        int | None, typer.Option(help="With --soak: an evaluation pass every this many steps (e.g. 100).")
+    ] = None,
     parallel: sharded.ParallelOptions = sharded.NO_PARALLEL_OPTIONS,
     activation_checkpointing: sharded.Checkpointing = "none",
     rank: one_rank.Rank = 0,

@@ -38,6 +38,10 @@ from batchfit.search.runner import device_for
 from batchfit.search.runner import search_workload
 from batchfit.search.runner import traces_first
 from batchfit.search.settings import SearchSettings
+from batchfit.search.soak import SoakSettings
+from batchfit.search.soak import check_soak_device
+from batchfit.search.soak import soaked_result
+from batchfit.search.soak_result import soak_summary
 from batchfit.search.trial import Trial
 from batchfit.workflows.rank_workloads import rank_workload
 from batchfit.workflows.routing import Route
@@ -71,6 +75,8 @@ def run_find(
     rank: int,
     debug: bool,
     memory_snapshot: Path | None = None,
+    soak: int | None = None,
+    eval_every: int | None = None,
 ) -> None:
     """The body of ``batchfit find`` (see its help): find the largest batch size that really fits: every answer is a size a trial ran."""
     refuse_preset(device)
@@ -97,6 +103,7 @@ def run_find(
         dev = device_for(work, device)
         heading = one_rank.header(work, dev)
     check_outputs(json_path, plot)
+    soaking = soak_settings(soak, eval_every, dev, route is Route.OWN)
     if memory_snapshot is not None:
         if route is not Route.OWN:
             raise InputError(SHARDED_SNAPSHOT)
@@ -122,10 +129,14 @@ def run_find(
     except KeyboardInterrupt:
         _interrupted(done, dev)
         raise typer.Exit(130) from None
+    if soaking is not None:
+        result = soaked_result(result, work, soaking, device=dev, margin=parse_margin(margin))
     if quiet:
         print_answer(result.batch_size)
     else:
         print_result(console, result)
+        if soaking is not None:
+            console.print(escape(soak_summary(result.extra["soak"], soaking.steps)))
     if json_path is not None:
         write_json(json_path, result_document(result, workload=work.name, options=options, simulated=dev.simulated))
     if plot is not None and result.cached:
@@ -139,6 +150,19 @@ def run_find(
         console.print("Wrote " + " and ".join(str(p) for p in (json_path, plot) if p is not None))
     if memory_snapshot is not None:  # the answer's trial, run again
         write_memory_snapshot(work, dev, result.batch_size, memory_snapshot, quiet=quiet)
+
+
+def soak_settings(soak: int | None, eval_every: int | None, dev: Device, own: bool) -> SoakSettings | None:
+    """``--soak`` and ``--eval-every`` checked before any trial (``None``: no soak asked)."""
+    if soak is None:
+        if eval_every is not None:
+            raise InputError("--eval-every says when a soak evaluates: give --soak too, e.g. --soak 1000")
+        return None
+    if not own:
+        raise InputError("--soak replays one device's allocator: drop it with --gpus, or soak a workload of your own")
+    settings = SoakSettings(soak, eval_every)
+    check_soak_device(dev)
+    return settings
 
 
 def _search_live(work: Any, dev: Device, done: list[Trial], quiet: bool, **settings: Any) -> SearchResult:

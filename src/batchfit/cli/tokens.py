@@ -61,6 +61,21 @@ def tokens(
         bool, typer.Option(help="For a model from its config: prove each traced answer by one rank's real trials.")
     ] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
+    lengths: Annotated[
+        Path | None,
+        typer.Option(help="The data's sequence lengths for --soak: one a line, a JSON list, or a JSON length: count."),
+    ] = None,
+    soak: Annotated[
+        int | None,
+        typer.Option(
+            help="With --lengths: the tokens per micro-batch that hold for a run of this many steps (e.g. 1000) of "
+            "lengths drawn from the data, replayed through the caching allocator model (sim:CAPACITY:cuda)."
+        ),
+    ] = None,
+    eval_every: Annotated[
+        int | None, typer.Option(help="With --soak: an evaluation pass every this many steps (e.g. 100).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="With --soak: the seed the lengths are drawn with.")] = 0,
     parallel: sharded.ParallelOptions = sharded.NO_PARALLEL_OPTIONS,
     activation_checkpointing: sharded.Checkpointing = "none",
     debug: Debug = False,

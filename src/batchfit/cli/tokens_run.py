@@ -24,11 +24,16 @@ from batchfit.errors import InputError
 from batchfit.parallel.settings import Parallelism
 from batchfit.search.runner import device_for
 from batchfit.search.settings import SearchSettings
+from batchfit.search.soak import SoakSettings
+from batchfit.search.soak import check_soak_device
+from batchfit.search.soak_result import soak_summary
 from batchfit.tokens.budget import token_budget_of_workload
+from batchfit.tokens.length_data import LengthSample
 from batchfit.tokens.lengths import bucket_lengths
 from batchfit.tokens.lengths import parse_buckets
 from batchfit.tokens.result import MODES
 from batchfit.tokens.result import ModeBudget
+from batchfit.tokens.soak import soak_token_budget
 from batchfit.workflows.routing import Route
 from batchfit.workflows.routing import route_workload
 from batchfit.workflows.sharded_tokens import sharded_token_budget
@@ -54,10 +59,18 @@ def run_tokens(
     parallel: ParallelOptions,
     activation_checkpointing: str,
     debug: bool,
+    lengths: Path | None = None,
+    soak: int | None = None,
+    eval_every: int | None = None,
+    seed: int = 0,
 ) -> None:
     """The body of ``batchfit tokens`` (see its help): the largest batch per sequence-length bucket and the tokens per micro-batch that fit, padded and packed."""
     refuse_preset(device)
-    lengths = bucket_lengths(parse_buckets(buckets) if buckets is not None else None, max_seq_len, num_buckets)
+    soaking = soak_options(lengths, soak, eval_every, seed)
+    lengths_file, lengths = (
+        lengths,
+        bucket_lengths(parse_buckets(buckets) if buckets is not None else None, max_seq_len, num_buckets),
+    )
     check_outputs(json_path)
     if route_workload(workload, parallel.asked) is Route.CONFIG:
         if model_settings:
@@ -69,6 +82,8 @@ def run_tokens(
             )
         per_rank(workload, lengths, gpu, parallel.choices(activation_checkpointing), verify, accumulating, json_path)
         return
+    if soaking is not None and route_workload(workload, parallel.asked) is not Route.OWN:
+        raise InputError("--soak replays one device's allocator: soak a workload of your own on sim:CAPACITY:cuda")
     if parallel.asked or gpu or verify:
         raise InputError(
             "--gpus, --gpu and --verify measure a model from its config per rank (an LLM preset or a config.json); "
@@ -82,6 +97,9 @@ def run_tokens(
     options = {"seq_len": lengths[-1], "amp_dtype": amp.value if amp else None}
     work = with_loop(load_workload(workload, only_accepted=True, settings=model_settings or (), **options), keep_output)
     dev = device_for(work, device)
+    if soaking is not None:
+        check_soak_device(dev)
+        sample = LengthSample.of(lengths_file)  # read before any trial
     console.print(header_line(work, dev, "tokens"))
     console.print(f"Buckets (longest sequence of each): {', '.join(map(str, lengths))}")
     if accumulating:
@@ -95,9 +113,27 @@ def run_tokens(
         print_mode(mode)
     print_lines(budget.lines)
     console.print(f"{budget.trials} trials in all, {budget.seconds:.1f} s.")
+    document = budget.to_dict()
+    if soaking is not None:
+        with console.status(f"Soaking {soaking.steps} steps of the data's lengths ..."):
+            run = soak_token_budget(work, budget, sample, soaking, device=dev, margin=parse_margin(margin))
+        document["soak"] = run.to_dict()
+        console.print(escape(soak_summary(document["soak"], soaking.steps)), soft_wrap=True)
+        console.print(escape(f"Binds: {run.binding()}."), soft_wrap=True)
     if json_path is not None:
-        write_json(json_path, budget.to_dict())
+        write_json(json_path, document)
         console.print(f"Wrote {json_path}")
+
+
+def soak_options(lengths: Path | None, soak: int | None, eval_every: int | None, seed: int) -> SoakSettings | None:
+    """``--lengths``, ``--soak``, ``--eval-every`` and ``--seed`` checked together (``None``: no soak asked)."""
+    if soak is None:
+        if lengths is not None or eval_every is not None:
+            raise InputError("--lengths and --eval-every are for a soak: give --soak too, e.g. --soak 1000")
+        return None
+    if lengths is None:
+        raise InputError("--soak draws its steps from the data's lengths: give --lengths FILE (one length a line)")
+    return SoakSettings(soak, eval_every, seed=seed)
 
 
 def per_rank(

@@ -38,6 +38,8 @@ from batchfit.search.cached import CacheSpec
 from batchfit.search.runner import search_workload
 from batchfit.search.settings import SearchSettings
 from batchfit.search.settings import margin_bytes
+from batchfit.search.soak import SoakSettings
+from batchfit.search.soak import soaked_result
 from batchfit.search.strategies import Strategy
 from batchfit.step.batching import batch_length
 from batchfit.step.batching import tensor_leaves
@@ -179,7 +181,9 @@ class Microbatcher:
     With ``micro_batch_size=None`` the first global batch is searched for the largest micro-batch
     that fits, with the keywords of ``find_max_batch_size``: ``min_batch_size``, ``strategy``,
     ``margin``, ``max_trials``, ``steps``, ``trace``, ``cache``, or all in one ``settings`` (a
-    ``SearchSettings``; one form or the other; the search never goes above the global batch). ``min_batch_size`` is also the floor when shrinking: a micro-batch of that size
+    ``SearchSettings``; one form or the other; the search never goes above the global batch). With
+    ``soak_steps`` (a device that models the caching allocator), the first size is the one that holds for a run of
+    that many steps through the allocator model, not one step from an emptied cache (``batchfit.search.soak``). ``min_batch_size`` is also the floor when shrinking: a micro-batch of that size
     (or a token budget of the longest sample) that runs out of memory raises ``NoBatchFitsError``.
 
     What you gave stays in ``settings`` (a frozen ``MicrobatcherSettings``); what training changes
@@ -221,7 +225,9 @@ class Microbatcher:
         trace: bool | str = "auto",
         cache: CacheSpec = False,
         settings: SearchSettings | None = None,
+        soak_steps: int | None = None,
     ):
+        self.soak = SoakSettings(soak_steps) if soak_steps is not None else None
         search = SearchSettings.merged(
             settings,
             min_batch_size=min_batch_size,
@@ -404,7 +410,11 @@ class Microbatcher:
             keep_output=False,  # this loop's loss call drops the output before backward
             accumulating=True,  # a later micro-batch runs with the window's gradients alive
         )
-        return search_workload(workload, settings, device=self.device).batch_size
+        result = search_workload(workload, settings, device=self.device)
+        if self.soak is not None:  # the size that holds for a run of the soak's steps, not one from an emptied cache
+            device = resolve_device(self.device, self.model)
+            result = soaked_result(result, workload, self.soak, device=device, margin=settings.margin)
+        return result.batch_size
 
     def _margin_with(self, batch: Any, margin: int | float | str) -> int | float | str:
         """``margin`` in bytes plus those of ``batch``'s storages on the device the search measures (a

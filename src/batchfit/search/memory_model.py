@@ -129,7 +129,7 @@ class MemoryModel:
         tops, slopes = [], []
         for phase, top in anchor.phase_peak_bytes.items():
             points = [(t.batch_size, t.phase_peak_bytes[phase]) for t in fitted if phase in t.phase_peak_bytes]
-            if len(points) >= 2:
+            if len({size for size, _ in points}) >= 2:  # a slope needs two sizes (a size tried twice is one)
                 slopes.append(_least_squares_slope(points))
             else:
                 slopes.append((top - (anchor.held_bytes or 0)) / anchor.batch_size)

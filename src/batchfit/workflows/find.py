@@ -12,13 +12,18 @@ from typing import Any
 
 import torch
 
+from batchfit.errors import InputError
 from batchfit.errors import InputTypeError
 from batchfit.search.cached import CacheSpec
 from batchfit.search.result import SearchResult
 from batchfit.search.runner import DeviceSpec
+from batchfit.search.runner import device_for
 from batchfit.search.runner import probe_workload
 from batchfit.search.runner import search_workload
 from batchfit.search.settings import SearchSettings
+from batchfit.search.soak import SoakSettings
+from batchfit.search.soak import check_soak_device
+from batchfit.search.soak import soaked_result
 from batchfit.search.strategies import Strategy
 from batchfit.search.trial import Trial
 from batchfit.step.batching import pad_sequences
@@ -54,6 +59,8 @@ def find_max_batch_size(
     parallelism: Parallelism | None = None,
     confirm_steps: int | None = None,
     settings: SearchSettings | None = None,
+    soak_steps: int | None = None,
+    eval_every_steps: int | None = None,
 ) -> SearchResult:
     """The largest batch size that really fits: every answer is a size a trial ran.
 
@@ -88,6 +95,10 @@ def find_max_batch_size(
     allocator reserved beyond the live bytes and, where predicted, the answer with expandable segments.
     ``settings`` (a ``SearchSettings``) gives the search settings in one object, as every entry point takes
     them; the keywords ``min_batch_size`` to ``confirm_steps`` are its aliases (one form or the other).
+    ``soak_steps`` (on a device that models the caching allocator) answers for a run of that many steps, with an
+    evaluation pass every ``eval_every_steps``, replayed through the allocator model from the cache each step leaves
+    (``batchfit.search.soak``): ``batch_size`` is the largest that holds for every step, and
+    ``extra["soak"]`` keeps the fresh-cache answer, the runs and what expandable segments would give.
 
     >>> import batchfit as bf
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
@@ -123,7 +134,15 @@ def find_max_batch_size(
         step_fn=step_fn,
         keep_output=keep_output,
     )
-    return search_workload(workload, settings, device=device, on_trial=on_trial)
+    soak = SoakSettings(soak_steps, eval_every_steps) if soak_steps is not None else None
+    if soak is None and eval_every_steps is not None:
+        raise InputError("eval_every_steps says when a soak evaluates: give soak_steps too (1000 is a long run)")
+    if soak is None:
+        return search_workload(workload, settings, device=device, on_trial=on_trial)
+    dev = device_for(workload, device)
+    check_soak_device(dev)  # before any trial
+    result = search_workload(workload, settings, device=dev, on_trial=on_trial)
+    return soaked_result(result, workload, soak, device=dev, margin=settings.margin)
 
 
 def _users_workload(
