@@ -62,7 +62,9 @@ __getattr__, __dir__ = lazy_names(
         "sweep_grid": "batchfit.sweep.api",
         "SweepResult": "batchfit.sweep.results",
         "ScaleRules": "batchfit.sweep.rules",
+        "CheckpointingFrontier": "batchfit.throughput",
         "ThroughputResult": "batchfit.throughput",
+        "checkpointing_frontier": "batchfit.throughput",
         "find_optimal_batch_size": "batchfit.throughput",
         "find_token_budget": "batchfit.tokens.budget",
         "TokenBudget": "batchfit.tokens.result",
@@ -116,7 +118,9 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, importe
     from batchfit.sweep.api import sweep_grid
     from batchfit.sweep.results import SweepResult
     from batchfit.sweep.rules import ScaleRules
+    from batchfit.throughput import CheckpointingFrontier
     from batchfit.throughput import ThroughputResult
+    from batchfit.throughput import checkpointing_frontier
     from batchfit.throughput import find_optimal_batch_size
     from batchfit.tokens.budget import find_token_budget
     from batchfit.tokens.result import TokenBudget
@@ -128,6 +132,7 @@ __all__ = [
     "STRATEGIES",
     "AnalyticEstimate",
     "BatchPlan",
+    "CheckpointingFrontier",
     "CpuDevice",
     "CudaDevice",
     "Device",
@@ -159,6 +164,7 @@ __all__ = [
     "Workload",
     "__version__",
     "analytic_estimate",
+    "checkpointing_frontier",
     "critical_batch_by_training",
     "estimate_memory",
     "executable_batch_size",

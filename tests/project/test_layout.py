@@ -120,6 +120,8 @@ PUBLIC = [
     "executable_batch_size",
     "find_max_batch_size",
     "find_optimal_batch_size",
+    "checkpointing_frontier",
+    "CheckpointingFrontier",
     "find_token_budget",
     "format_bytes",
     "goodput",

@@ -204,6 +204,14 @@ def optimal(
         float | None,
         typer.Option(help="Time no new batch size after this many seconds (the search for the largest included)."),
     ] = None,
+    checkpointing: Annotated[
+        str | None,
+        typer.Option(
+            help="Compare activation-checkpointing policies, applied to the model and undone: auto, or several of "
+            "none, selective, selective-matmuls, full, full:K (every K-th block), hf (a Hugging Face model's own); "
+            "each one's largest batch and throughput, and the fastest."
+        ),
+    ] = None,
     debug: Debug = False,
 ) -> None:
     """Maximum is not optimal: time steps across batch sizes and pick the throughput-optimal one."""
@@ -284,6 +292,14 @@ def plan(
         typer.Option(
             help="none, selective, full, or several to compare (a model from its config; default none,full); "
             "one choice for a WORKLOAD of your own with --gpus (default none)."
+        ),
+    ] = None,
+    checkpointing: Annotated[
+        str | None,
+        typer.Option(
+            help="With WORKLOAD and --global-batch-size: measure activation-checkpointing policies on it (auto, or "
+            "several of none, selective, selective-matmuls, full, full:K, hf) and plan with the policy, micro-batch "
+            "and accumulation that reach the global batch with the most samples/s (by memory with --gpu)."
         ),
     ] = None,
     verify: Annotated[

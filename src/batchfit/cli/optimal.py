@@ -13,6 +13,7 @@ from batchfit.cli.common import check_outputs
 from batchfit.cli.common import console
 from batchfit.cli.common import header_line
 from batchfit.cli.common import write_json
+from batchfit.cli.frontier import check_policy_spec
 from batchfit.cli.loading import load_for_cli
 from batchfit.cli.report import throughput_table
 from batchfit.devices.presets import refuse_preset
@@ -44,16 +45,41 @@ def run_optimal(
     json_path: Path | None,
     plot: Path | None,
     max_seconds: float | None,
-    debug: bool,
+    checkpointing: str | None = None,
+    debug: bool = False,
 ) -> None:
     """The body of ``batchfit optimal`` (see its help): maximum is not optimal: time steps across batch sizes and pick the throughput-optimal one."""
     refuse_preset(device)
     check_max_seconds(max_seconds)
     if noise_scale is not None:
         check_noise_scale(noise_scale)  # before the search, not after it
+    if checkpointing is not None:
+        check_policy_spec(checkpointing, max_seconds=max_seconds, noise_scale=noise_scale, safety=safety_fraction)
     work, options = load_for_cli(workload, seq_len, image_size, amp, keep_output=keep_output, settings=model_settings)
     dev = resolve_device(device, work.model)
     check_outputs(json_path, plot)
+    if checkpointing is not None:
+        from batchfit.cli.frontier import run_frontier
+
+        frontier = run_frontier(
+            work,
+            dev,
+            checkpointing,
+            max_batch_size=max_batch_size,
+            tolerance=tolerance,
+            timing_warmup_steps=timing_warmup_steps,
+            timed_steps=timed_steps,
+        )
+        if json_path is not None:
+            write_json(
+                json_path,
+                {"workload": {"name": work.name, "options": options}, **frontier.to_dict(), "versions": versions()},
+            )
+        if plot is not None:
+            from batchfit.cli.plots import plot_frontier
+
+            plot_frontier(frontier, plot)
+        return
     console.print(header_line(work, dev, "optimal"))
     with console.status("Finding the largest batch, then timing steps across batch sizes", spinner="dots") as status:
 

@@ -7,6 +7,7 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+from typing import Any
 
 from rich.markup import escape
 from rich.table import Table
@@ -61,10 +62,13 @@ def run_plan(
     parallel: ParallelOptions,
     activation_checkpointing: str | None,
     verify: bool,
-    debug: bool,
+    checkpointing: str | None = None,
+    debug: bool = False,
 ) -> None:
     """The body of ``batchfit plan`` (see its help): plan micro-batch, accumulation, learning rate and warmup for a global batch on N devices."""
     refuse_preset(device)
+    if checkpointing is not None:
+        _check_frontier_options(checkpointing, workload, global_batch_size, parallel)
     if workload is not None and micro_batch_size is not None:
         raise InputError("give either --micro-batch-size N or a WORKLOAD to measure it on, not both")
     if workload is None:
@@ -162,6 +166,12 @@ def run_plan(
                 "nothing runs on a GPU.",
                 highlight=False,
             )
+        if checkpointing is not None:
+            result, frontier = _plan_by_frontier(planning, work, target, checkpointing, settings, global_batch_size)
+            _print_plan(result)
+            if json_path is not None:
+                write_json(json_path, {**result.to_dict(), "activation_checkpointing": frontier.to_dict()})
+            return
         found = plan_workload(
             work,
             lambda largest: planning(micro_batch_size=largest),
@@ -173,6 +183,40 @@ def run_plan(
     _print_plan(result)
     if json_path is not None:
         write_json(json_path, result.to_dict())
+
+
+def _check_frontier_options(
+    checkpointing: str, workload: str | None, global_batch_size: int | None, parallel: ParallelOptions
+) -> None:
+    """``--checkpointing`` checked before any work: a WORKLOAD of one's own on one device, a global batch."""
+    from batchfit.cli.frontier import check_policy_spec
+
+    check_policy_spec(checkpointing)
+    if workload is None:
+        raise InputError(
+            "--checkpointing measures each policy on a WORKLOAD: give one (batchfit plan my_model.py:build ...)"
+        )
+    if route_workload(workload, parallel.asked) is not Route.OWN:
+        raise InputError(
+            "--checkpointing measures a WORKLOAD of your own on one device: for a model traced per rank, give "
+            "--activation-checkpointing none,selective,full"
+        )
+    if global_batch_size is None:
+        raise InputError("--checkpointing plans for a global batch in samples: give --global-batch-size N")
+
+
+def _plan_by_frontier(
+    planning: Callable[..., BatchPlan], work: Any, target: Any, spec: str, settings: Any, global_batch_size: int
+) -> tuple[BatchPlan, Any]:
+    """The plan with the policy, micro-batch and accumulation that reach the global batch fastest."""
+    from batchfit.cli.frontier import run_frontier
+    from batchfit.planning.plan import world_size
+
+    devices = planning.keywords.get("devices") or world_size()
+    frontier = run_frontier(work, target, spec, settings=settings, global_batch_size=global_batch_size, devices=devices)
+    plan = planning(micro_batch_size=frontier.choice.micro_batch_size)
+    console.print(f"Planned with activation checkpointing {escape(frontier.choice.policy)}.", highlight=False)
+    return plan, frontier
 
 
 def _devices_without_workload(

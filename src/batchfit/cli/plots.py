@@ -109,3 +109,33 @@ def plot_throughput(result, path: str | Path) -> Path:
     figure.savefig(buffer, format="png", dpi=dpi)
     pyplot.close(figure)
     return atomic_write_bytes(path, buffer.getvalue())
+
+
+def plot_frontier(frontier, path: str | Path) -> Path:
+    """Write a PNG of the checkpointing frontier: samples/s against peak memory, one line per policy through
+    the micro-batches it timed, with the choice marked."""
+    pyplot = load_pyplot()
+    dpi = 100
+    figure, axes = pyplot.subplots(figsize=(PLOT_SIZE_PX[0] / dpi, PLOT_SIZE_PX[1] / dpi), dpi=dpi)
+    for policy in frontier.policies:
+        points = [p for p in (policy.throughput.points if policy.throughput else []) if p.peak_bytes]
+        if points:
+            memory = [p.peak_bytes / MIB for p in points]
+            axes.plot(memory, [p.samples_per_second for p in points], "o-", label=f"{policy.policy}")
+    chosen = frontier.choice
+    policy = next(p for p in frontier.policies if p.policy == chosen.policy)
+    point = policy.point(chosen.micro_batch_size)
+    if point is not None and point.peak_bytes:
+        axes.plot([point.peak_bytes / MIB], [point.samples_per_second], "*", markersize=18, color="black")
+    target = f", global batch {frontier.global_batch_size}" if frontier.global_batch_size else ""
+    axes.set(
+        xlabel="peak memory (MiB)",
+        ylabel="samples/s (one device)",
+        title=f"Activation checkpointing on {frontier.device}{target}\nchosen (star): {chosen.policy}, {chosen.split}",
+    )
+    axes.legend(loc="lower right")
+    axes.grid(alpha=0.3)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    pyplot.close(figure)
+    return atomic_write_bytes(path, buffer.getvalue())

@@ -19,96 +19,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from batchfit.errors import InputError
 from batchfit.parallel.settings import Parallelism
-
-
-def _hf_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    found = []
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if type(child).__name__ in names:
-                found.append((parent, name, child))
-    return found
-
-
-def _container_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    for module in model.modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            children = list(module.named_children())
-            classes = {type(child) for _, child in children}
-            if len(children) >= 2 and len(classes) == 1 and list(children[0][1].children()):
-                return [(module, name, child) for name, child in children]
-    return []
-
-
-def repeated_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """``(parent, name, block)`` for each repeated block of ``model``, in order.
-
-    >>> from batchfit.parallel.models import TinyTransformer
-    >>> [name for _, name, _ in repeated_blocks(TinyTransformer(num_layers=3))]
-    ['0', '1', '2']
-    """
-    return _hf_blocks(model) or _container_blocks(model)
-
-
-# Selective checkpointing saves what torchtitan's op-level policy saves (its ``_save_list``): the
-# matmuls, every attention kernel SDPA may pick (``..._for_cpu`` is the flash kernel that a trace on
-# the CPU runs in place of a GPU's), ``aten.max`` (the scale of low-precision training) and the
-# reduce-scatter of tensor parallelism. torchtitan names ``aten.mm``, the matmul of its bias-free
-# linears; ``aten.addmm`` is the same matmul of a linear with a bias, so it is counted with them.
-MATMUL_OPS = ("mm", "addmm")
-SAVED_OPS = (
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_fused_attention_overrideable",
-    "max",
-)
-
-
-def _aten_ops(names: tuple[str, ...]) -> set[Any]:
-    """The ``.default`` overloads of the aten ops named, skipping any this torch does not have."""
-    return {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
+from batchfit.step import recompute_ops
+from batchfit.step.blocks import repeated_blocks
 
 
 def selective_policy() -> Callable[..., Any]:
-    """A fresh op-level policy for one checkpointed forward of one block, for
-    ``create_selective_checkpoint_contexts``: save the outputs of ``SAVED_OPS``, of reduce-scatter,
-    and of every other matmul (the 1st, 3rd, ...: torchtitan's rule, which halves what the matmuls
-    keep for about half their recompute); recompute everything else. torch asks the policy in
-    forward and replays its answers, op by op in dispatch order, when it recomputes (older torch
-    asked again then, with ``ctx.is_recompute``: matmuls are counted apart for each pass, as
-    torchtitan counts them, so both passes decide alike).
-
-    >>> from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
-    >>> policy, forward = selective_policy(), SelectiveCheckpointContext(is_recompute=False)
-    >>> [policy(forward, torch.ops.aten.mm.default).name for _ in range(3)]
-    ['MUST_SAVE', 'PREFER_RECOMPUTE', 'MUST_SAVE']
-    >>> policy(forward, torch.ops.aten.mul.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
-    True
-    """
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    matmuls = _aten_ops(MATMUL_OPS)
-    saved = _aten_ops(SAVED_OPS) | {torch.ops._c10d_functional.reduce_scatter_tensor.default}
-    matmuls_seen = {False: 0, True: 0}  # by ctx.is_recompute
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op in matmuls:
-            matmuls_seen[ctx.is_recompute] += 1
-            keep = matmuls_seen[ctx.is_recompute] % 2 == 1
-        else:
-            keep = op in saved
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
+    """A fresh op-level policy for one checkpointed forward of one block: torchtitan's (every other matmul
+    saved, see ``batchfit.step.recompute_ops.selective_policy``); looked up here by ``selective_contexts``."""
+    return recompute_ops.selective_policy()
 
 
 def selective_contexts() -> tuple[Any, Any]:

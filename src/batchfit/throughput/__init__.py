@@ -18,6 +18,11 @@ from batchfit._lazy import lazy_names
 __getattr__, __dir__ = lazy_names(
     __name__,
     {
+        "checkpointing_frontier": "batchfit.throughput.frontier",
+        "frontier_for_workload": "batchfit.throughput.frontier",
+        "CheckpointingFrontier": "batchfit.throughput.frontier_result",
+        "FrontierChoice": "batchfit.throughput.frontier_result",
+        "PolicyFrontier": "batchfit.throughput.frontier_result",
         "check_max_seconds": "batchfit.throughput.optimal",
         "check_maximum": "batchfit.throughput.optimal",
         "find_optimal_batch_size": "batchfit.throughput.optimal",
@@ -28,6 +33,11 @@ __getattr__, __dir__ = lazy_names(
 )
 
 if TYPE_CHECKING:
+    from batchfit.throughput.frontier import checkpointing_frontier
+    from batchfit.throughput.frontier import frontier_for_workload
+    from batchfit.throughput.frontier_result import CheckpointingFrontier
+    from batchfit.throughput.frontier_result import FrontierChoice
+    from batchfit.throughput.frontier_result import PolicyFrontier
     from batchfit.throughput.optimal import check_max_seconds
     from batchfit.throughput.optimal import check_maximum
     from batchfit.throughput.optimal import find_optimal_batch_size
@@ -36,10 +46,15 @@ if TYPE_CHECKING:
     from batchfit.throughput.result import ThroughputResult
 
 __all__ = [
+    "CheckpointingFrontier",
+    "FrontierChoice",
+    "PolicyFrontier",
     "ThroughputPoint",
     "ThroughputResult",
     "check_max_seconds",
     "check_maximum",
+    "checkpointing_frontier",
     "find_optimal_batch_size",
+    "frontier_for_workload",
     "optimal_for_workload",
 ]

@@ -23,6 +23,7 @@ import time
 import warnings
 from collections.abc import Callable
 from collections.abc import Iterator
+from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -411,6 +412,12 @@ def _check_noise_options(on_point: Any, extra_timed_steps: Any) -> None:
         )
 
 
+def _check_also_time(also_time: Any) -> None:
+    sizes = list(also_time) if isinstance(also_time, (list, tuple, set, frozenset, range)) else None
+    if sizes is None or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes):
+        raise InputError(f"also_time must be a list of positive batch sizes, got {also_time!r}")
+
+
 @contextmanager
 def _timeline_off(device: Any) -> Iterator[None]:
     """A device that records a per-op timeline (CUDA) stops while steps are timed, since reading
@@ -443,13 +450,17 @@ def optimal_for_workload(
     on_point: PointCallback | None = None,
     max_seconds: float | None = None,
     extra_timed_steps: int | None = None,
+    also_time: Sequence[int] = (),
     **options: Any,
 ) -> ThroughputResult:
     """``find_optimal_batch_size`` for a ``Workload``: ``settings`` (a ``SearchSettings``) and
     ``options`` (any of its fields, by keyword) say how the maximum is searched and what is kept
     free, as in ``search_workload``. ``max_seconds`` bounds the whole of it, the search for the
-    maximum included (a ``settings.max_seconds`` bounds that search alone, as before)."""
+    maximum included (a ``settings.max_seconds`` bounds that search alone, as before). ``also_time``
+    names sizes to time besides the grid (those above the maximum are skipped), such as the micro-batches
+    a plan for a global batch could use."""
     _check(tolerance, safety_fraction, timing_warmup_steps, timed_steps, dataset_size, time_budget_seconds)
+    _check_also_time(also_time)
     check_max_seconds(max_seconds)
     _check_noise_options(on_point, extra_timed_steps)
     check_maximum(options.get("max_batch_size"))
@@ -466,6 +477,8 @@ def optimal_for_workload(
         for size in _grid(s.min_batch_size, top):
             if meter.measure(size) is None:
                 break
+        for size in sorted(b for b in set(also_time) if s.min_batch_size <= b <= top):
+            meter.measure(size)
         if not meter.points:
             raise NoBatchFitsError(
                 f"even batch size {s.min_batch_size} does not fit on {dev.name} while timing steps: "

@@ -2,7 +2,8 @@
 
 For each activation-checkpointing choice, one rank's largest micro-batch within the capacity is traced on
 fake tensors; the plan takes no checkpointing where micro-batch 1 fits without it, else the choice that fits
-the most, and says where another choice would need fewer accumulation steps. When the plan accumulates, the
+the most, and says where another choice would need fewer accumulation steps. With a verification device, the
+choices are timed there instead and the fastest is taken (``batchfit.workflows.sharded_timing``). When the plan accumulates, the
 micro-batch is traced again with the window's gradient shards held (FSDP2 keeps them from one micro-batch to
 the next). With a verification device, one rank's real trials check each traced answer
 (``batchfit.workflows.verification``).
@@ -20,6 +21,7 @@ from batchfit.parallel.fit import LargestBatch
 from batchfit.parallel.fit import largest_batch_size
 from batchfit.parallel.settings import Parallelism
 from batchfit.planning.plan import BatchPlan
+from batchfit.throughput.frontier_result import FrontierChoice
 from batchfit.workflows.arguments import check_callable
 from batchfit.workflows.arguments import check_capacity_spec
 from batchfit.workflows.arguments import check_choices
@@ -34,6 +36,7 @@ from batchfit.workflows.ranks import describe_parallelism
 from batchfit.workflows.ranks import held_gradient_bytes
 from batchfit.workflows.ranks import host_line
 from batchfit.workflows.ranks import traced_with_gradients_held
+from batchfit.workflows.sharded_timing import choose_by_throughput
 from batchfit.workflows.verdict import PlanVerification
 from batchfit.workflows.verification import Found
 from batchfit.workflows.verification import verify_accumulating
@@ -58,6 +61,8 @@ class ShardedPlan:
     capacity: str
     held: int | None = None
     verification: PlanVerification | None = None
+    timed: list[FrontierChoice] | None = None
+    """Each choice's planned micro-batch timed in one rank's real steps, where a device chose by throughput."""
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's JSON with ``sharding``: the parallelism, the chosen checkpointing, and per choice the
@@ -81,6 +86,8 @@ class ShardedPlan:
         }
         if self.verification is not None:
             document["sharding"]["verification"] = self.verification.to_dict()
+        if self.timed is not None:
+            document["sharding"]["timed"] = [vars(choice) for choice in self.timed]
         return document
 
 
@@ -201,6 +208,9 @@ def plan_sharded(
     if verify_on is not None:  # a traced answer that fails its real trial gives way to the largest verified size
         verification, found = verify_plan(workload, seq_len, found, verify_on, progress)
     chosen, largest = choose_checkpointing(found, seq_len, capacity)
+    timed = None
+    if verify_on is not None and sum(item[1].batch_size >= 1 for item in found) > 1:  # a device to time them on
+        (chosen, largest), timed = choose_by_throughput(workload, seq_len, found, planner, verify_on, progress)
     plan, held = planner(largest.batch_size), None
     if plan.gradient_accumulation_steps > 1:  # a later micro-batch runs with the window's sharded gradients
         held = with_gradients_held(workload, capacity, seq_len, chosen, largest, progress)
@@ -210,4 +220,4 @@ def plan_sharded(
                 workload, seq_len, chosen, plan.micro_batch_size, held, verify_on, progress
             )
     plan = dataclasses.replace(plan, advice=plan.advice + checkpointing_advice(found, chosen, plan))
-    return ShardedPlan(plan, found, chosen, capacity, held, verification)
+    return ShardedPlan(plan, found, chosen, capacity, held, verification, timed)
