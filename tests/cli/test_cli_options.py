@@ -210,6 +210,7 @@ def estimate_answer(*args: str) -> int:
     return answer(invoke("estimate", *args, "--quiet"))
 
 
+@pytest.mark.slow  # eleven traces of gpt-tiny, one per option: about 10 s (make reliability)
 def test_estimate_options_each_change_the_answer_or_are_refused():
     base = ["gpt-tiny", "--capacity", "32MiB", "--margin", "0"]
     plain = estimate_answer(*base)
