@@ -307,6 +307,7 @@ def test_a_model_from_its_config_is_traced_per_rank_and_proved_by_one_ranks_real
     assert refused.exit_code == 2 and "drop --forward" in refused.output
 
 
+@pytest.mark.slow  # traces two bucket sets sharded and accumulating: about 6 s (make reliability)
 @pytest.mark.xdist_group("sharded_tokens")  # needs no module budget: any worker may run it
 def test_sharded_token_budgets_hold_the_windows_gradient_shards_as_accumulation_does():
     """Per rank, a later micro-batch of an accumulation window runs with the window's reduced gradient shards held:

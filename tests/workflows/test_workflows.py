@@ -107,6 +107,7 @@ def test_estimate_of_one_rank_at_a_batch_size_answers_at_that_size(tmp_path, mon
     assert found.at.peak_bytes == at.peak_bytes and found.search.batch_size == document["largest_batch_size"]
 
 
+@pytest.mark.slow  # the sharded plan twice, by the library and by the command: about 5 s (make reliability)
 def test_a_library_call_makes_the_sharded_plan_the_command_writes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["plan", "llama-tiny.json", "--gpu", "8MiB", "--gpus", "4", "--seq-len", "64"]
