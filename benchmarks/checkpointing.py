@@ -182,8 +182,8 @@ def main() -> None:
         "one table, not a GPU. Bold: the choice for that global batch (the most samples/s, the policy "
         "recomputing least within 5% of the fastest), from each policy's best split timed again beside the "
         "others' in turns (5 rounds of 3 steps: those are the samples/s in the last two columns); a cell is "
-        "micro-batch x accumulation steps (samples/s). Each micro-batch is timed as a full step, optimizer step "
-        "included, so accumulation is charged an optimizer step per micro-batch.",
+        "micro-batch x accumulation steps (samples/s). A window of accumulation steps is charged one optimizer "
+        "step: its micro-batches' full steps less the optimizer steps all but the last skip, each timed on its own.",
         "",
     ]
     for key in keys:

@@ -116,7 +116,10 @@ def test_each_policys_largest_is_the_searchs_under_it_and_the_model_is_as_it_was
     assert choice.micro_batch_size <= found.policies[[p.policy for p in found.policies].index(choice.policy)].limit(2)
     assert found.to_dict()["choice"]["policy"] == choice.policy
     assert "side by side" in found.notes[-1] and choice in found.candidates  # chosen from the turns' timings
-    assert all(c.step_seconds and c.samples_per_second == c.micro_batch_size / c.step_seconds for c in found.candidates)
+    for c in found.candidates:  # a window's micro-batches, its optimizer step once
+        assert c.step_seconds and c.optimizer_seconds is not None
+        window = c.accumulation_steps * c.step_seconds - (c.accumulation_steps - 1) * c.optimizer_seconds
+        assert c.samples_per_second == pytest.approx(c.micro_batch_size * c.accumulation_steps / window)
 
 
 def test_on_a_trace_nothing_is_timed_and_the_choice_is_by_memory() -> None:
@@ -153,3 +156,27 @@ def _binary_sizes(answer: int, low: int, high: int) -> list[int]:
         tried.append(middle)
         low, high = (middle + 1, high) if middle <= answer else (low, middle - 1)
     return tried
+
+
+def test_a_window_of_accumulation_steps_is_charged_one_optimizer_step() -> None:
+    from batchfit.throughput.side_by_side import _retimed
+
+    candidate = FrontierChoice("none", 8, 4, global_batch_size=32)
+    retimed = _retimed(candidate, [0.05, 0.05, 0.05], [0.01, 0.01, 0.01])
+    assert retimed.samples_per_second == pytest.approx(32 / (4 * 0.05 - 3 * 0.01))
+    assert retimed.optimizer_step_seconds == pytest.approx(0.17)
+    whole = _retimed(FrontierChoice("full", 32, 1, global_batch_size=32), [0.15], [0.01])
+    assert whole.samples_per_second == pytest.approx(32 / 0.15)  # one micro-batch: its own optimizer step
+
+
+def test_a_trial_times_its_optimizer_steps_within_its_steps() -> None:
+    from batchfit.search.prober import Prober
+
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    work = bf.Workload(model, (torch.randn(4, 16), torch.randint(0, 4, (4,))), nn.functional.cross_entropy,
+                       torch.optim.AdamW(model.parameters()))  # fmt: skip
+    device = bf.SimulatedDevice("16MiB")
+    with Prober(device.prepare(work), device, steps=3) as prober:
+        trial = prober.probe(8)
+    assert trial.fits and len(trial.optimizer_seconds) == len(trial.step_seconds) == 3
+    assert all(0 < o < s for o, s in zip(trial.optimizer_seconds, trial.step_seconds, strict=True))

@@ -171,6 +171,13 @@ class Prober:
         note = getattr(device, "mark", lambda label: None)
 
         def mark(phase: str) -> None:
+            if phase in ("backward", "optimizer"):  # the optimizer step's own time: between these two marks
+                if device_type != "cpu":  # an accelerator's queued work (the CPU's, and a simulated device's, is done)
+                    device.synchronize()
+                now = self.clock()
+                if phase == "optimizer" and record.backward_done is not None:
+                    record.optimizer_seconds.append(now - record.backward_done)
+                record.backward_done = now if phase == "backward" else None
             record.peaks[phase] = max(record.peaks.get(phase, 0), device.peak_bytes())
             reserved = reserved_peak() if reserved_peak is not None else None
             if reserved is not None:
@@ -243,6 +250,7 @@ class Prober:
             steps=record.steps,
             held_bytes=record.held_bytes,
             step_seconds=tuple(record.step_seconds),
+            optimizer_seconds=tuple(record.optimizer_seconds),
             reserved_peak_bytes=record.reserved_peak,
             loop_steps=record.loop_steps,
             settled=record.settled,
@@ -288,6 +296,8 @@ class _Record:
     held_bytes: int | None = None
     phase: str = "forward"  # where the trial is now: the phase an OOM struck in
     step_seconds: list[float] = field(default_factory=list)
+    optimizer_seconds: list[float] = field(default_factory=list)  # each step's optimizer step and zero_grad
+    backward_done: float | None = None  # when this step's backward ended
     reserved_peak: int | None = None  # the caching allocator's, where the device has one
     loop_steps: int | None = None  # steps of the loop the allocator model ran (the trial's, then more)
     settled: bool | None = None  # whether the modelled allocator's state repeated within them

@@ -22,7 +22,9 @@ class Trial:
     a peak over the usable memory (capacity minus margin); ``held_bytes`` is what was live at the
     start of the last step apart from the batch (parameters, buffers, optimizer state);
     ``timeline`` holds the live bytes after every op, where the device records them, and
-    ``exact_timeline`` the same before allocator rounding; ``step_seconds`` times each full step;
+    ``exact_timeline`` the same before allocator rounding; ``step_seconds`` times each full step and
+    ``optimizer_seconds`` its optimizer step and ``zero_grad`` alone (what a later micro-batch of an accumulation
+    window does not run);
     ``reserved_peak_bytes`` is the caching allocator's reserved peak where the device has one (a GPU, or a
     simulated device that models it): at least the peak of live bytes, and what the card must hold.
     Where the device models the caching allocator, ``loop_steps`` counts the steps of the training loop
@@ -47,6 +49,7 @@ class Trial:
     reserved_peak_bytes: int | None = None
     loop_steps: int | None = None
     settled: bool | None = None
+    optimizer_seconds: tuple[float, ...] = ()
 
     def summary(self) -> str:
         """One line: the size, whether it fitted, and the peak.

@@ -6,8 +6,9 @@ The choice, by measured throughput: each policy's exact splits of the global bat
 accumulation steps = global batch / devices) whose micro-batch fits (as a later micro-batch of the window,
 its gradients held, where it accumulates) are compared by the samples per second timed at that micro-batch;
 the policy recomputing least within ``tolerance`` of the fastest is chosen. Each micro-batch is timed as a
-full training step, optimizer step included, so an optimizer step of ``a`` micro-batches is counted as ``a``
-such steps: accumulating is charged ``a - 1`` optimizer steps it does not run (an upper bound on its time).
+full training step, optimizer step included, so here an optimizer step of ``a`` micro-batches is counted as ``a``
+such steps (an upper bound on its time); the side-by-side timing (``side_by_side``) then charges a window one
+optimizer step, timed on its own.
 Where nothing was timed (a trace for a GPU preset), the choice is by memory, as the per-rank plan chooses: no
 checkpointing where a split fits without it, else the fewest accumulation steps.
 """
@@ -89,11 +90,17 @@ class FrontierChoice:
     samples_per_second: float | None = None
     step_seconds: float | None = None
     peak_bytes: int | None = None
+    optimizer_seconds: float | None = None
+    """The optimizer step's own seconds, where it was timed (side by side): a window runs it once."""
 
     @property
     def optimizer_step_seconds(self) -> float | None:
-        """Seconds per optimizer step: the accumulation steps times one micro-batch's timed step."""
-        return self.accumulation_steps * self.step_seconds if self.step_seconds is not None else None
+        """Seconds per optimizer step (one window): the accumulation steps times one micro-batch's timed step,
+        less the optimizer steps that all but the window's last micro-batch skip (where they were timed)."""
+        if self.step_seconds is None:
+            return None
+        skipped = (self.accumulation_steps - 1) * (self.optimizer_seconds or 0.0)
+        return self.accumulation_steps * self.step_seconds - skipped
 
     @property
     def split(self) -> str:
