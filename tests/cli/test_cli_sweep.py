@@ -155,6 +155,7 @@ def test_a_sweep_where_no_configuration_fits_prints_its_table_then_exits_2_in_on
         (["--workers", "2", "--slots", "cuda:0"], "give --slots (devices) or --workers (a count), not both"),
         (["--engine", "local", "--slots", "cuda:0,cuda:0"], "must name each device once"),
         (["--engine", "local", "--workers", "0"], "--workers must be between 1 and 1024, got 0"),
+        (["--engine", "local", "--workers", "2", "--grid", "nope=1"], "workload gpt-tiny does not take --nope"),
     ],
 )
 def test_sweep_engine_options_that_cannot_work_are_one_line(flags, message):

@@ -5,6 +5,8 @@ recorded while the sweep goes on; the driver's schedule (extremes first) and its
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,35 @@ def test_engines_refuse_what_they_cannot_do(monkeypatch):
         portable(lambda seq_len: None, "factory")
     with pytest.raises(InputError, match="engine_options are for the local, slurm or ray engine"):
         sweep_grid(gpt_faulty, {"seq_len": [8]}, device=DEVICE, engine="inline", engine_options={"workers": 2})
+
+
+SCRIPT = r"""
+import sys
+import batchfit as bf
+from batchfit.step.builtin_workloads import gpt_tiny
+
+with open("imports.txt", "a") as imports:  # a worker imports this file for its factory: this runs there too
+    imports.write("imported\n")
+
+
+def make(seq_len):
+    return gpt_tiny(seq_len=seq_len, sample_size=2)
+
+
+if __name__ == "__main__":  # the driver only
+    open("runs.txt", "a").write("ran\n")
+    result = bf.sweep_grid(make, {"seq_len": [8]}, device="sim:12MiB", cache=False, engine="local",
+                           engine_options={"workers": 1}, log=print)
+    print("answer", result.records[0]["batch_size_used"], result.records[0]["ran_on"]["engine"])
+"""
+
+
+def test_a_factory_of_the_users_own_script_runs_in_the_worker_without_running_the_script_again(tmp_path):
+    script = tmp_path / "my_sweep.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    inline = sweep_grid(gpt_faulty, {"seq_len": [8]}, device=DEVICE, cache=False, engine="inline")
+    assert f"answer {inline.records[0]['batch_size_used']} local" in done.stdout
+    assert (tmp_path / "imports.txt").read_text() == "imported\n" * 2  # the driver, then the worker for the factory
+    assert (tmp_path / "runs.txt").read_text() == "ran\n"  # the guarded part ran once: not again in the worker

@@ -25,6 +25,7 @@ from batchfit.errors import InputError
 from batchfit.errors import NoBatchFitsError
 from batchfit.files import STDOUT
 from batchfit.search.cache import ResultCache
+from batchfit.step.factory import check_options
 from batchfit.sweep.api import grid_configs
 from batchfit.sweep.api import sweep_grid
 from batchfit.sweep.results import SweepResult
@@ -72,6 +73,11 @@ class WorkloadBuilder:
 
     def __call__(self, **knobs: Any) -> Any:
         return load_workload(self.spec, **self.fixed, **knobs)
+
+    def check_knobs(self, knobs: dict[str, Any]) -> None:
+        """An ``InputError`` for a knob the workload does not take, before any configuration is sent."""
+        name, factory = resolve_factory(self.spec)
+        check_options(name, factory, {**self.fixed, **knobs})
 
 
 @dataclass(frozen=True)
@@ -207,6 +213,12 @@ def run_sweep(
     console.print(f"[bold green]{escape(result.summary(seconds=time.perf_counter() - start))}[/]")
     if json_path is not None:
         console.print(f"Wrote {json_path}")
+    if result.records and all(record.get("failure") for record in result.records):
+        raise NoBatchFitsError(
+            "no configuration gave an answer: each raised or its worker died (the table says why); "
+            "fix it and run the same command again to retry them",
+            [],
+        )
     if result.records and all(record.get("error") for record in result.records):
         raise NoBatchFitsError(
             f"no configuration fitted on {result.device} (the table says why for each): "

@@ -87,7 +87,12 @@ class FanOut:
 
 
 def _check_knobs(name: str, factory: Callable[..., Any], knobs: dict[str, Any]) -> None:
-    """A knob the factory does not take fails before any job (where its signature can be read)."""
+    """A knob the factory does not take fails before any job: by the factory's own ``check_knobs`` where it has
+    one (the command line's workload by name), else by its signature where that can be read."""
+    check = getattr(factory, "check_knobs", None)
+    if callable(check):
+        check(knobs)
+        return
     try:
         inspect.signature(factory)
     except (TypeError, ValueError):

@@ -10,6 +10,7 @@ goes on; only a process that dies gives no outcome (the engine reports it as a `
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import pickle
@@ -47,16 +48,22 @@ class MainFunction:
     name: str
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        spec = importlib.util.spec_from_file_location("batchfit_sweep_main", self.path)
-        if spec is None or spec.loader is None:
-            raise InputError(f"cannot import {self.path} in the sweep's worker: give the factory as module:function")
-        module = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(Path(self.path).resolve().parent))
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            sys.path.pop(0)
-        return getattr(module, self.name)(*args, **kwargs)
+        return getattr(_script(self.path), self.name)(*args, **kwargs)
+
+
+@functools.cache
+def _script(path: str) -> Any:
+    """The script at ``path`` imported as a module, once per process (the factory and ``measure`` share it)."""
+    spec = importlib.util.spec_from_file_location("batchfit_sweep_main", path)
+    if spec is None or spec.loader is None:
+        raise InputError(f"cannot import {path} in the sweep's worker: give the factory as module:function")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(Path(path).resolve().parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    return module
 
 
 def portable(function: Callable[..., Any] | None, what: str) -> Callable[..., Any] | None:
