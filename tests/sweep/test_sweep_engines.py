@@ -5,8 +5,10 @@ recorded while the sweep goes on; the driver's schedule (extremes first) and its
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from batchfit.sweep.engines.local import LocalEngine
 from batchfit.sweep.engines.local import plan_slots
 from batchfit.sweep.jobs import ConfigJob
 from batchfit.sweep.jobs import JobSettings
+from batchfit.sweep.jobs import MainFunction
 from batchfit.sweep.jobs import portable
 from batchfit.sweep.jobs import run_job
 from batchfit.sweep.parallel import JobTokens
@@ -147,6 +150,7 @@ if __name__ == "__main__":  # the driver only
 """
 
 
+@pytest.mark.slow  # the script and its worker each start Python and torch: about 7 s (make reliability)
 def test_a_factory_of_the_users_own_script_runs_in_the_worker_without_running_the_script_again(tmp_path):
     script = tmp_path / "my_sweep.py"
     script.write_text(SCRIPT)
@@ -156,3 +160,22 @@ def test_a_factory_of_the_users_own_script_runs_in_the_worker_without_running_th
     assert f"answer {inline.records[0]['batch_size_used']} local" in done.stdout
     assert (tmp_path / "imports.txt").read_text() == "imported\n" * 2  # the driver, then the worker for the factory
     assert (tmp_path / "runs.txt").read_text() == "ran\n"  # the guarded part ran once: not again in the worker
+
+
+def test_a_function_of_the_main_script_is_sent_by_its_file_and_imported_once(tmp_path, monkeypatch):
+    """What the worker does with a factory of the script run as ``__main__`` (the slow test above runs it for real)."""
+    script = tmp_path / "my_sweep.py"
+    script.write_text(SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    exec(compile(SCRIPT.replace('if __name__ == "__main__":', "if False:"), str(script), "exec"), main.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    make = main.make
+    make.__module__ = "__main__"
+    sent = portable(make, "factory")
+    assert sent == MainFunction(str(script.resolve()), "make")
+    again = pickle.loads(pickle.dumps(sent))  # as the worker gets it
+    assert again(seq_len=8).model is not again(seq_len=8).model  # a new workload per call
+    assert (tmp_path / "imports.txt").read_text() == "imported\n" * 2  # our exec, then one import for both calls
+    assert not (tmp_path / "runs.txt").exists()  # the guarded part never ran
