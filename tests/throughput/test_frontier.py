@@ -180,3 +180,19 @@ def test_a_trial_times_its_optimizer_steps_within_its_steps() -> None:
         trial = prober.probe(8)
     assert trial.fits and len(trial.optimizer_seconds) == len(trial.step_seconds) == 3
     assert all(0 < o < s for o, s in zip(trial.optimizer_seconds, trial.step_seconds, strict=True))
+
+
+def test_a_policys_split_is_timed_as_a_window_with_one_optimizer_step() -> None:
+    """Two splits of 64 at 10 ms of optimizer step: 4 x 16 runs 15 optimizer steps fewer than 16 timed full steps."""
+    points = [
+        ThroughputPoint(b, 0.040 + 0.001 * b, b / (0.040 + 0.001 * b), None, None, timed_optimizer_seconds=(0.010,))
+        for b in (4, 16)
+    ]
+    result = ThroughputResult(16, 16, 16, 0.05, points, 0.0, 0.0, "")
+    frontier = PolicyFrontier("none", 16, 16, 16_000, result)
+    chosen = policy_candidate(frontier, 64)
+    assert (chosen.micro_batch_size, chosen.accumulation_steps) == (16, 4)
+    assert chosen.samples_per_second == pytest.approx(64 / (4 * 0.056 - 3 * 0.010))
+    small = policy_candidate(PolicyFrontier("none", 4, 4, 4_000, result), 64)  # only 4 x 16 fits
+    assert (small.micro_batch_size, small.accumulation_steps) == (4, 16)
+    assert small.samples_per_second == pytest.approx(64 / (16 * 0.044 - 15 * 0.010))

@@ -6,9 +6,8 @@ The choice, by measured throughput: each policy's exact splits of the global bat
 accumulation steps = global batch / devices) whose micro-batch fits (as a later micro-batch of the window,
 its gradients held, where it accumulates) are compared by the samples per second timed at that micro-batch;
 the policy recomputing least within ``tolerance`` of the fastest is chosen. Each micro-batch is timed as a
-full training step, optimizer step included, so here an optimizer step of ``a`` micro-batches is counted as ``a``
-such steps (an upper bound on its time); the side-by-side timing (``side_by_side``) then charges a window one
-optimizer step, timed on its own.
+full training step, its optimizer step timed on its own within it, and a window of ``a`` micro-batches is
+charged one optimizer step: ``a`` full steps less ``a - 1`` optimizer steps (``window_seconds``).
 Where nothing was timed (a trace for a GPU preset), the choice is by memory, as the per-rank plan chooses: no
 checkpointing where a split fits without it, else the fewest accumulation steps.
 """
@@ -118,12 +117,28 @@ class FrontierChoice:
         return f"{self.policy}: {self.split} accumulation {steps}{rate}"
 
 
+def window_seconds(step_seconds: float, optimizer_seconds: float | None, accumulation_steps: int) -> float:
+    """One window's seconds: ``accumulation_steps`` micro-batches, the optimizer step only after the last.
+
+    >>> window_seconds(0.05, 0.01, 4)  # 4 x 0.05 s, less the 3 optimizer steps a window does not run
+    0.17
+    """
+    skipped = (accumulation_steps - 1) * (optimizer_seconds or 0.0)
+    return round(accumulation_steps * step_seconds - skipped, 12)
+
+
 def _timed(frontier: PolicyFrontier, micro: int, steps: int, devices: int, target: int | None) -> FrontierChoice:
+    """The split ``micro`` x ``steps`` at the policy's timing of ``micro``: a window of ``steps`` micro-batches
+    runs its optimizer step once, where the optimizer step was timed on its own."""
     point = frontier.point(micro)
-    rate = point.samples_per_second * devices if point is not None else None
-    seconds = point.step_seconds if point is not None else None
-    peak = point.peak_bytes if point is not None else None
-    return FrontierChoice(frontier.policy, micro, steps, devices, target, rate, seconds, peak)
+    if point is None:
+        return FrontierChoice(frontier.policy, micro, steps, devices, target)
+    window = window_seconds(point.step_seconds, point.optimizer_seconds, steps)
+    samples = micro * steps / window * devices if window > 0 else point.samples_per_second * devices
+    return FrontierChoice(
+        frontier.policy, micro, steps, devices, target, samples, point.step_seconds, point.peak_bytes,
+        point.optimizer_seconds,
+    )  # fmt: skip
 
 
 def policy_candidate(

@@ -104,7 +104,8 @@ class _Meter:
             trial = self.prober.probe(batch_size)
             if not trial.fits:
                 return None
-            self._keep(batch_size, trial.step_seconds[self.timing_warmup_steps :], trial.peak_bytes)
+            warm = self.timing_warmup_steps
+            self._keep(batch_size, trial.step_seconds[warm:], trial.peak_bytes, trial.optimizer_seconds[warm:])
         return self.points[batch_size]
 
     def retime(self, batch_size: int, extra_steps: int) -> bool:
@@ -117,15 +118,18 @@ class _Meter:
             return False
         before = self.points[batch_size]
         timed = (*before.timed_step_seconds, *trial.step_seconds[self.timing_warmup_steps :])
-        self._keep(batch_size, timed, before.peak_bytes)
+        optimizer = (*before.timed_optimizer_seconds, *trial.optimizer_seconds[self.timing_warmup_steps :])
+        self._keep(batch_size, timed, before.peak_bytes, optimizer)
         return True
 
-    def _keep(self, batch_size: int, timed: tuple[float, ...], peak_bytes: int | None) -> None:
+    def _keep(
+        self, batch_size: int, timed: tuple[float, ...], peak_bytes: int | None, optimizer: tuple[float, ...] = ()
+    ) -> None:
         seconds = statistics.median(timed)
         samples = rate(batch_size, seconds)
         tokens = samples * self.tokens_per_sample if self.tokens_per_sample else None
         epoch = math.ceil(self.dataset_size / batch_size) * seconds if self.dataset_size else None
-        point = ThroughputPoint(batch_size, seconds, samples, tokens, peak_bytes, epoch, tuple(timed))
+        point = ThroughputPoint(batch_size, seconds, samples, tokens, peak_bytes, epoch, tuple(timed), tuple(optimizer))
         self.points[batch_size] = point
         if self.on_point is not None:
             self.on_point(point)

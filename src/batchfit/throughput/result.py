@@ -46,6 +46,14 @@ class ThroughputPoint:
     peak_bytes: int | None
     epoch_seconds: float | None = None
     timed_step_seconds: tuple[float, ...] = ()
+    timed_optimizer_seconds: tuple[float, ...] = ()
+    """The optimizer step's own seconds within each timed step (``Trial.optimizer_seconds``)."""
+
+    @property
+    def optimizer_seconds(self) -> float | None:
+        """The median optimizer step (``None`` where it was not timed): what a later micro-batch of an
+        accumulation window does not run."""
+        return statistics.median(self.timed_optimizer_seconds) if self.timed_optimizer_seconds else None
 
     def _quartiles(self) -> tuple[float, float]:
         timed = self.timed_step_seconds

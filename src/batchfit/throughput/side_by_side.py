@@ -21,6 +21,7 @@ from batchfit.step.workload import Workload
 from batchfit.throughput.frontier_result import CheckpointingFrontier
 from batchfit.throughput.frontier_result import FrontierChoice
 from batchfit.throughput.frontier_result import choose
+from batchfit.throughput.frontier_result import window_seconds
 from batchfit.throughput.result import rate
 
 ROUNDS, WARMUP_STEPS, TIMED_STEPS = 5, 1, 3
@@ -40,16 +41,6 @@ def _steps(
     if not trial.fits:
         return [], []
     return list(trial.step_seconds[WARMUP_STEPS:]), list(trial.optimizer_seconds[WARMUP_STEPS:])
-
-
-def window_seconds(step_seconds: float, optimizer_seconds: float | None, accumulation_steps: int) -> float:
-    """One window's seconds: ``accumulation_steps`` micro-batches, the optimizer step only after the last.
-
-    >>> window_seconds(0.05, 0.01, 4)  # 4 x 0.05 s, less the 3 optimizer steps a window does not run
-    0.17
-    """
-    skipped = (accumulation_steps - 1) * (optimizer_seconds or 0.0)
-    return round(accumulation_steps * step_seconds - skipped, 12)
 
 
 def _retimed(candidate: FrontierChoice, seconds: list[float], optimizer: list[float]) -> FrontierChoice:
