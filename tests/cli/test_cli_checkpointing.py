@@ -8,14 +8,7 @@ import json
 import pytest
 
 from cli_runner import invoke
-
-
-def refused(result, *words: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in result.output, result.output
-    for word in words:
-        assert word in lines[0], lines[0]
+from cli_runner import refused
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from cli_runner import invoke
+from cli_runner import refused
 
 MODEL = """
 from torch import nn
@@ -60,14 +61,6 @@ def beside(tmp_path):
 def answer(result) -> int:
     assert result.exit_code == 0, result.output
     return int(result.stdout.strip().splitlines()[-1])
-
-
-def refused(result, *words: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in result.output, result.output
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 # -- workload files import like scripts ---------------------------------------------------------------------

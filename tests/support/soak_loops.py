@@ -26,19 +26,23 @@ Request = tuple[str, int, int | None]  # ("malloc", bytes, address or None) or (
 
 
 @contextlib.contextmanager
-def allocator_requests() -> Iterator[list[Request]]:
-    """Every request and free any ``CachingAllocator`` is given inside, in order: ``("malloc", bytes, address)``
-    (``None`` where it was not served) and ``("free", block bytes, address)``."""
+def allocator_requests(
+    keep: Callable[[CachingAllocator], bool] = lambda allocator: True,
+) -> Iterator[list[Request]]:
+    """Every request and free a ``CachingAllocator`` is given inside (each one ``keep`` says yes to), in order:
+    ``("malloc", bytes, address)`` (``None`` where it was not served) and ``("free", block bytes, address)``."""
     logged: list[Request] = []
     malloc, free = CachingAllocator.malloc, CachingAllocator.free
 
     def logged_malloc(allocator: CachingAllocator, nbytes: int) -> Any:
         block = malloc(allocator, nbytes)
-        logged.append(("malloc", nbytes, None if block is None else block.ptr))
+        if keep(allocator):
+            logged.append(("malloc", nbytes, None if block is None else block.ptr))
         return block
 
     def logged_free(allocator: CachingAllocator, block: Any) -> None:
-        logged.append(("free", block.size, block.ptr))
+        if keep(allocator):
+            logged.append(("free", block.size, block.ptr))
         free(allocator, block)
 
     CachingAllocator.malloc, CachingAllocator.free = logged_malloc, logged_free

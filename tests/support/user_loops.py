@@ -24,6 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import batchfit as bf
+from soak_loops import Request
+from soak_loops import allocator_requests
 from soak_loops import to_device_model
 
 
@@ -154,29 +156,21 @@ class FiveLinears:
 @contextlib.contextmanager
 def request_log(device: bf.SimulatedDevice) -> Iterator[list[str]]:
     """Every request (``+bytes``) and free (``-bytes`` of the block) ``device``'s modelled allocator sees while
-    active, in order; a request it cannot serve is marked. Replays of other allocators are left out."""
-    from batchfit.devices import caching_allocator
-
+    active, in order, read when the block ends; a request it cannot serve is marked. Replays of other allocators
+    are left out."""
     log: list[str] = []
-    cls = caching_allocator.CachingAllocator
-    malloc, free = cls.malloc, cls.free
+    with allocator_requests(lambda allocator: allocator is device.counter.allocator) as requests:
+        try:
+            yield log
+        finally:
+            log.extend(_as_text(request) for request in requests)
 
-    def logged_malloc(allocator: Any, nbytes: int) -> Any:
-        block = malloc(allocator, nbytes)
-        if allocator is device.counter.allocator:
-            log.append(f"+{nbytes}" if block is not None else f"+{nbytes} (out of memory)")
-        return block
 
-    def logged_free(allocator: Any, block: Any) -> None:
-        if allocator is device.counter.allocator:
-            log.append(f"-{block.size}")
-        free(allocator, block)
-
-    cls.malloc, cls.free = logged_malloc, logged_free
-    try:
-        yield log
-    finally:
-        cls.malloc, cls.free = malloc, free
+def _as_text(request: Request) -> str:
+    kind, nbytes, address = request
+    if kind == "free":
+        return f"-{nbytes}"
+    return f"+{nbytes}" if address is not None else f"+{nbytes} (out of memory)"
 
 
 # -- the models ------------------------------------------------------------------------------------------------

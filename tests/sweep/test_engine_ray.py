@@ -49,6 +49,7 @@ from batchfit.sweep.jobs import Death
 from batchfit.sweep.jobs import JobSettings
 from batchfit.sweep.jobs import Outcome
 from batchfit.sweep.jobs import run_job
+from engine_checks import assert_same_outcome
 
 pytestmark = pytest.mark.slow
 
@@ -63,24 +64,6 @@ WAIT_S = 120.0  # the longest a test waits for its tasks
 
 def job(knobs: Mapping[str, Any], factory: Any = gpt_tiny) -> ConfigJob:
     return ConfigJob(dict(knobs), factory, DEVICE, SETTINGS, tuple(knobs))
-
-
-def without_timings(value: Any) -> Any:
-    """``value`` less what differs from run to run: every ``*seconds`` entry, at any depth."""
-    if isinstance(value, Mapping):
-        return {key: without_timings(item) for key, item in value.items() if not str(key).endswith("seconds")}
-    if isinstance(value, list | tuple):
-        return [without_timings(item) for item in value]
-    return value
-
-
-def assert_same_outcome(got: Outcome | Death, expected: Outcome) -> None:
-    """Field by field, except timings, the process id and the host."""
-    assert isinstance(got, Outcome), got
-    assert got.knobs == expected.knobs
-    assert without_timings(got.record) == without_timings(expected.record)
-    assert got.pending == expected.pending
-    assert got.log == expected.log
 
 
 def wait_all(engine: RayEngine, handles: list[Handle]) -> dict[str, Outcome | Death]:

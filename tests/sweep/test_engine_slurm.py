@@ -42,6 +42,8 @@ from batchfit.sweep.jobs import Death
 from batchfit.sweep.jobs import JobSettings
 from batchfit.sweep.jobs import Outcome
 from batchfit.sweep.jobs import run_job
+from engine_checks import assert_same_outcome
+from engine_checks import without_timings
 
 # The factories below reach Slurm's tasks by value: a task imports batchfit, not this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -66,24 +68,6 @@ needs_slurm = pytest.mark.skipif(not slurm_works(), reason="no Slurm answers her
 
 def job(knobs: Mapping[str, Any], factory: Any = gpt_tiny) -> ConfigJob:
     return ConfigJob(dict(knobs), factory, DEVICE, SETTINGS, tuple(knobs))
-
-
-def steady(value: Any) -> Any:
-    """``value`` without what changes from run to run: timings (every ``*seconds`` key)."""
-    if isinstance(value, Mapping):
-        return {k: steady(v) for k, v in value.items() if not str(k).endswith("seconds")}
-    if isinstance(value, list | tuple):
-        return [steady(v) for v in value]
-    return value
-
-
-def same_outcome(got: Outcome | Death, expected: Outcome) -> None:
-    """The outcomes agree field by field, except timings, the process id and the host."""
-    assert isinstance(got, Outcome), got
-    assert got.knobs == expected.knobs
-    assert steady(got.record) == steady(expected.record)
-    assert got.pending == expected.pending
-    assert got.log == expected.log
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +113,7 @@ def test_debug_engine_gives_the_records_of_run_job(tmp_path: Path, expected: dic
     ends = wait_all(engine, handles)
     assert ends.keys() == expected.keys()
     for label, outcome in expected.items():
-        same_outcome(ends[label], outcome)
+        assert_same_outcome(ends[label], outcome)
     assert engine.room(running=5) is None
     assert not engine.live
 
@@ -226,7 +210,7 @@ def test_one_array_on_slurm_gives_the_records_of_run_job(tmp_path: Path, expecte
     assert tokens == [f"{array}_{i}" for i in range(len(GRID))]  # one array, a task per configuration
     ends = wait_all(engine, handles)
     for label, outcome in expected.items():
-        same_outcome(ends[label], outcome)
+        assert_same_outcome(ends[label], outcome)
     assert all(isinstance(end, Outcome) and end.pid != os.getpid() for end in ends.values())
 
 
@@ -243,7 +227,7 @@ def test_a_task_killed_mid_trial_is_a_death_and_runs_again(tmp_path: Path, expec
     assert "\n" not in death.reason
     assert real_engine(tmp_path / "slurm").reattach(sent, str(handle.token)) is None  # the driver sends it again
     (again,) = engine.submit([sent.again(())])
-    same_outcome(wait_all(engine, [again])[sent.label], expected[sent.label])
+    assert_same_outcome(wait_all(engine, [again])[sent.label], expected[sent.label])
 
 
 @pytest.mark.slurm
@@ -255,10 +239,10 @@ def test_a_new_engine_reattaches_by_token(tmp_path: Path, expected: dict[str, Ou
     later = real_engine(tmp_path)  # a driver started again: same folder, only the token
     attached = later.reattach(sent, token)
     assert attached is not None and attached.token == token
-    same_outcome(wait_all(later, [attached])[sent.label], expected[sent.label])
+    assert_same_outcome(wait_all(later, [attached])[sent.label], expected[sent.label])
     finished = real_engine(tmp_path).reattach(sent, token)  # ended, its result still to read
     assert finished is not None
-    same_outcome(wait_all(real_engine(tmp_path), [finished])[sent.label], expected[sent.label])
+    assert_same_outcome(wait_all(real_engine(tmp_path), [finished])[sent.label], expected[sent.label])
     assert real_engine(tmp_path).reattach(sent, "999999_0") is None
     assert real_engine(tmp_path).reattach(sent, "not-a-slurm-id") is None
 
@@ -282,6 +266,6 @@ def test_a_sweep_on_slurm_gives_the_local_engines_records(tmp_path: Path) -> Non
         engine: sweep_grid(gpt_tiny, grid, device=DEVICE, cache=False, engine=engine, engine_options=options)
         for engine, options in [("local", {"workers": 2}), ("slurm", {"folder": str(tmp_path / "slurm")})]
     }
-    local, on_slurm = ([steady({**r, "ran_on": None}) for r in sweeps[e].records] for e in ("local", "slurm"))
+    local, on_slurm = ([without_timings({**r, "ran_on": None}) for r in sweeps[e].records] for e in ("local", "slurm"))
     assert on_slurm == local
     assert {r["ran_on"]["engine"] for r in sweeps["slurm"].records} == {"slurm"}

@@ -4,6 +4,7 @@ micro-batch is timed in one rank's real steps, and the plan takes the choice the
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,17 +18,22 @@ from batchfit.workflows.sharded_timing import TOLERANCE
 LLAMA = str(Path(__file__).parents[2] / "examples/llama-tiny.json")
 
 
-@pytest.mark.slow
-def test_with_a_device_the_sharded_plan_chooses_by_one_ranks_timed_steps() -> None:
+def _plan(**verify: Any) -> Any:
+    """The tiny Llama's plan for a global batch of 64 on 2 ranks, with and without checkpointing."""
     choices = [Parallelism(world_size=2, activation_checkpointing=choice) for choice in ("none", "full")]
-    found = plan_sharded(
+    return plan_sharded(
         LLAMA,
         "8MiB",
         64,
         choices,
         lambda largest: plan_batch(micro_batch_size=largest, global_batch_size=64, devices=2),
-        verify_on=bf.SimulatedDevice("8MiB"),
+        **verify,
     )
+
+
+@pytest.mark.slow
+def test_with_a_device_the_sharded_plan_chooses_by_one_ranks_timed_steps() -> None:
+    found = _plan(verify_on=bf.SimulatedDevice("8MiB"))
     assert found.timed is not None and [c.policy for c in found.timed] == ["none", "full"]
     assert all(c.samples_per_second and c.step_seconds for c in found.timed)
     assert found.chosen.activation_checkpointing == choose(found.timed, TOLERANCE)[0].policy
@@ -39,13 +45,6 @@ def test_with_a_device_the_sharded_plan_chooses_by_one_ranks_timed_steps() -> No
 
 @pytest.mark.slow
 def test_without_a_device_the_sharded_plan_chooses_by_memory_as_before() -> None:
-    choices = [Parallelism(world_size=2, activation_checkpointing=choice) for choice in ("none", "full")]
-    found = plan_sharded(
-        LLAMA,
-        "8MiB",
-        64,
-        choices,
-        lambda largest: plan_batch(micro_batch_size=largest, global_batch_size=64, devices=2),
-    )
+    found = _plan()
     assert found.timed is None and "timed" not in found.to_dict()["sharding"]
     assert found.chosen.activation_checkpointing == "none"

@@ -15,6 +15,7 @@ from typing import Any
 from batchfit.devices.resolve import resolve_device
 from batchfit.devices.units import format_bytes
 from batchfit.errors import InputError
+from batchfit.errors import InputTypeError
 from batchfit.errors import NoBatchFitsError
 from batchfit.search import distributed
 from batchfit.search.backend import TORCH
@@ -54,6 +55,26 @@ class SweepSettings:
     estimate: tuple[str, ...]
     rules: ScaleRules | None
     log: Callable[[str], None]
+
+    def header(self) -> dict[str, Any]:
+        """The settings a results file records, and a re-run must share to resume from it."""
+        return {
+            "max_batch_size": self.search.max_batch_size,
+            "min_batch_size": self.search.min_batch_size,
+            "auto_adjust": self.auto_adjust,
+            "margin": str(self.search.margin),
+            "steps": self.search.steps,
+        }
+
+
+def build_workload(factory: Callable[..., Any], knobs: Mapping[str, Any]) -> Workload:
+    """``factory(**knobs)``, which must be a ``Workload`` (an ``InputTypeError`` naming the configuration)."""
+    workload = factory(**knobs)
+    if not isinstance(workload, Workload):
+        raise InputTypeError(
+            f"the sweep's factory returned {type(workload).__name__} for {describe(knobs)}, not a Workload"
+        )
+    return workload
 
 
 @dataclass

@@ -24,6 +24,7 @@ from batchfit.sweep.jobs import portable
 from batchfit.sweep.parallel import ParallelSweep
 from batchfit.sweep.results import SweepFile
 from batchfit.sweep.results import SweepResult
+from batchfit.sweep.results import device_fields
 
 
 def describe_device(device: str) -> dict[str, Any]:
@@ -36,8 +37,7 @@ def describe_device(device: str) -> dict[str, Any]:
     True
     """
     if device.startswith("sim:") or device == "cpu":
-        dev = from_string(device)
-        return {"name": dev.name, "capacity_bytes": dev.capacity_bytes(), "simulated": dev.simulated}
+        return device_fields(from_string(device))
     return {"name": device, "capacity_bytes": None, "simulated": False}
 
 
@@ -75,15 +75,8 @@ class FanOut:
         return runner.run(configs, file)
 
     def _header(self, name: str, knobs: list[str]) -> dict[str, Any]:
-        s = self.settings.search
-        settings = {
-            "max_batch_size": s.max_batch_size,
-            "min_batch_size": s.min_batch_size,
-            "auto_adjust": self.settings.auto_adjust,
-            "margin": str(s.margin),
-            "steps": s.steps,
-        }
-        return {"workload": name, "knobs": knobs, "device": describe_device(self.device), "settings": settings}
+        device = describe_device(self.device)
+        return {"workload": name, "knobs": knobs, "device": device, "settings": self.settings.header()}
 
 
 def _check_knobs(name: str, factory: Callable[..., Any], knobs: dict[str, Any]) -> None:

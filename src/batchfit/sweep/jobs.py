@@ -33,6 +33,7 @@ from batchfit.step.workload import Workload
 from batchfit.sweep.config_search import ConfigSearch
 from batchfit.sweep.config_search import PendingStore
 from batchfit.sweep.config_search import SweepSettings
+from batchfit.sweep.config_search import build_workload
 from batchfit.sweep.results import describe
 from batchfit.sweep.rules import ScaleRules
 
@@ -155,9 +156,7 @@ def run_job(job: ConfigJob) -> Outcome:
     outcome = Outcome(knobs, {}, log=lines, host=socket.gethostname(), pid=os.getpid())
     started = time.perf_counter()
     try:
-        workload = job.factory(**knobs)
-        if not isinstance(workload, Workload):
-            raise InputError(f"the sweep's factory returned {type(workload).__name__} for {job.label}, not a Workload")
+        workload = build_workload(job.factory, knobs)
         cache = None if job.cache_dir is None else ResultCache(job.cache_dir or None, read_only=True)
         search = ConfigSearch(
             job.device,

@@ -73,6 +73,11 @@ class SweepFile:
             atomic_write_text(self.path, json.dumps(document, indent=2, default=repr) + "\n")
 
 
+def device_fields(device: Any) -> dict[str, Any]:
+    """A device as the results file names it (its ``device`` entry)."""
+    return {"name": device.name, "capacity_bytes": device.capacity_bytes(), "simulated": device.simulated}
+
+
 def describe(knobs: Mapping[str, Any]) -> str:
     return ", ".join(f"{name}={value}" for name, value in knobs.items())
 

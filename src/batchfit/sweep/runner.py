@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.devices.resolve import resolve_device
-from batchfit.errors import InputTypeError
 from batchfit.search import distributed
 from batchfit.search.cached import CacheSpec
 from batchfit.search.cached import open_cache
@@ -20,9 +19,11 @@ from batchfit.step.workload import Workload
 from batchfit.sweep.config_search import ConfigSearch
 from batchfit.sweep.config_search import Measure
 from batchfit.sweep.config_search import SweepSettings
+from batchfit.sweep.config_search import build_workload
 from batchfit.sweep.results import SweepFile
 from batchfit.sweep.results import SweepResult
 from batchfit.sweep.results import describe
+from batchfit.sweep.results import device_fields
 
 
 class SweepRunner:
@@ -49,8 +50,8 @@ class SweepRunner:
         header = {
             "workload": name,
             "knobs": list(configs[0]),
-            "device": {"name": dev.name, "capacity_bytes": dev.capacity_bytes(), "simulated": dev.simulated},
-            "settings": self._header_settings(first),
+            "device": device_fields(dev),
+            "settings": {"mode": first.mode, **self.settings.header()},
         }
         self.file = SweepFile(path, header, primary=self.primary)
         self.configs = ConfigSearch(self.device, self.settings, self.cache, self.measure, knob_names=list(configs[0]))
@@ -78,24 +79,8 @@ class SweepRunner:
             )
         return done
 
-    def _header_settings(self, workload: Workload) -> dict[str, Any]:
-        s = self.settings
-        return {
-            "mode": workload.mode,
-            "max_batch_size": s.search.max_batch_size,
-            "min_batch_size": s.search.min_batch_size,
-            "auto_adjust": s.auto_adjust,
-            "margin": str(s.search.margin),
-            "steps": s.search.steps,
-        }
-
     def _build(self, knobs: dict[str, Any]) -> Workload:
-        workload = self.factory(**knobs)
-        if not isinstance(workload, Workload):
-            raise InputTypeError(
-                f"the sweep's factory returned {type(workload).__name__} for {describe(knobs)}, not a Workload"
-            )
-        return workload
+        return build_workload(self.factory, knobs)
 
     def _one(self, knobs: dict[str, Any], workload: Workload) -> dict[str, Any]:
         assert self.file is not None and self.configs is not None

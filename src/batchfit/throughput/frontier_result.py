@@ -98,8 +98,7 @@ class FrontierChoice:
         less the optimizer steps that all but the window's last micro-batch skip (where they were timed)."""
         if self.step_seconds is None:
             return None
-        skipped = (self.accumulation_steps - 1) * (self.optimizer_seconds or 0.0)
-        return self.accumulation_steps * self.step_seconds - skipped
+        return window_seconds(self.step_seconds, self.optimizer_seconds, self.accumulation_steps)
 
     @property
     def split(self) -> str:
@@ -120,11 +119,11 @@ class FrontierChoice:
 def window_seconds(step_seconds: float, optimizer_seconds: float | None, accumulation_steps: int) -> float:
     """One window's seconds: ``accumulation_steps`` micro-batches, the optimizer step only after the last.
 
-    >>> window_seconds(0.05, 0.01, 4)  # 4 x 0.05 s, less the 3 optimizer steps a window does not run
+    >>> round(window_seconds(0.05, 0.01, 4), 6)  # 4 x 0.05 s, less the 3 optimizer steps a window does not run
     0.17
     """
     skipped = (accumulation_steps - 1) * (optimizer_seconds or 0.0)
-    return round(accumulation_steps * step_seconds - skipped, 12)
+    return accumulation_steps * step_seconds - skipped
 
 
 def _timed(frontier: PolicyFrontier, micro: int, steps: int, devices: int, target: int | None) -> FrontierChoice:

@@ -26,6 +26,7 @@ from batchfit.errors import InputError
 from batchfit.sweep.engines.base import Ended
 from batchfit.sweep.engines.base import Handle
 from batchfit.sweep.engines.options import EngineOptions
+from batchfit.sweep.engines.options import available_cores
 from batchfit.sweep.jobs import ConfigJob
 from batchfit.sweep.jobs import Death
 from batchfit.sweep.worker import THREADS_VARIABLE
@@ -33,10 +34,6 @@ from batchfit.sweep.worker import THREADS_VARIABLE
 POLL_INTERVAL_S = 0.05
 STOP_GRACE_S = 5.0
 LOG_LINES = 12  # the end of a dead worker's output kept in its record
-
-
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def visible_gpus() -> int:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 
 from batchfit.errors import InputError
@@ -42,3 +43,8 @@ def check_engine(name: str) -> None:
     module = EXTRAS.get(name)
     if module is not None and importlib.util.find_spec(module) is None:
         raise InputError(f"the {name} engine needs {module}: pip install 'batchfit[{name}]'")
+
+
+def available_cores() -> int:
+    """The CPUs this process may run on (the local engine's default slots, a local Ray cluster's CPUs)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

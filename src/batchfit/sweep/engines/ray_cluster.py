@@ -5,13 +5,13 @@ no cluster answers (``ray.init`` alone would retry for minutes)."""
 from __future__ import annotations
 
 import logging
-import os
 import re
 import socket
 import threading
 import time
 
 from batchfit.errors import InputError
+from batchfit.sweep.engines.options import available_cores
 
 try:
     import ray
@@ -44,11 +44,6 @@ def connect(address: str | None) -> bool:
 
 
 QUIET = {"log_to_driver": False, "logging_level": logging.WARNING}  # the workers' output stays in Ray's logs
-
-
-def available_cores() -> int:
-    """The CPUs this process may run on (a local cluster gets as many)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def check_reachable(address: str) -> None:
