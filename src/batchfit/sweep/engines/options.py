@@ -35,6 +35,34 @@ class EngineOptions:
     folder: str | None = None
     max_parallel: int | None = None
 
+    def gpus_for(self, device: str) -> float:
+        """GPUs each task holds: as given, else 1 on a CUDA device and 0 elsewhere.
+
+        >>> EngineOptions().gpus_for("cuda:0"), EngineOptions(gpus_per_task=0.5).gpus_for("cuda")
+        (1, 0.5)
+        """
+        if self.gpus_per_task is not None:
+            return self.gpus_per_task
+        return 1 if device.startswith("cuda") else 0
+
+
+OWNERS = {  # the options that belong to one engine, as the command line names them
+    "slots": ("--slots", "local"),
+    "workers": ("--workers", "local"),
+    "address": ("--ray-address", "ray"),
+    "partition": ("--partition", "slurm"),
+    "folder": ("--slurm-folder", "slurm"),
+}
+
+
+def refuse_foreign(options: EngineOptions, engine: str) -> None:
+    """A one-line ``InputError`` for an option given that belongs to another engine than ``engine``."""
+    for name, (flag, owner) in OWNERS.items():
+        if owner != engine and getattr(options, name) is not None:
+            raise InputError(
+                f"{flag} is an option of the {owner} engine, not of {engine}: drop it or use --engine {owner}"
+            )
+
 
 def check_engine(name: str) -> None:
     """An ``InputError`` for an unknown engine, or one whose extra is not installed (naming it)."""

@@ -27,6 +27,7 @@ from batchfit.errors import InputError
 from batchfit.sweep.engines.base import Ended
 from batchfit.sweep.engines.base import Handle
 from batchfit.sweep.engines.options import EngineOptions
+from batchfit.sweep.engines.options import refuse_foreign
 from batchfit.sweep.engines.ray_cluster import ANSI
 from batchfit.sweep.engines.ray_cluster import connect
 from batchfit.sweep.engines.ray_cluster import first_line
@@ -45,8 +46,6 @@ logger = logging.getLogger("batchfit")
 
 DETAIL_CHARS = 2000
 # other engines' options, with their command-line names
-REFUSED = {"slots": ("--slots", "local"), "workers": ("--workers", "local"), "partition": ("--partition", "slurm")}
-REFUSED |= {"folder": ("--slurm-folder", "slurm")}
 # Why a task ended without a record, by the class of what ray.get raised (ray.exceptions); the first match wins
 WHY = (
     ("OutOfMemoryError", "Ray's memory monitor killed its worker: the node ran low on host memory"),
@@ -105,17 +104,11 @@ class RaySettings:
 
 def settings_from(options: EngineOptions, device: str) -> RaySettings:
     """``RaySettings`` from the sweep's options: an ``InputError`` (one line) for another engine's option."""
-    for name, (flag, engine) in REFUSED.items():
-        if getattr(options, name) is not None:
-            raise InputError(
-                f"{flag} is an option of the {engine} engine, not of ray: drop it or use --engine {engine}"
-            )
+    refuse_foreign(options, "ray")
     if options.time_min != EngineOptions().time_min:  # only Slurm limits a task's time
         raise InputError("--time-min is an option of the slurm engine, not of ray: drop it or use --engine slurm")
-    gpus = options.gpus_per_task
-    if gpus is None:
-        gpus = 1.0 if device.startswith("cuda") else 0.0
-    return RaySettings(options.address, float(gpus), float(options.cpus_per_task), options.max_parallel)
+    gpus = float(options.gpus_for(device))
+    return RaySettings(options.address, gpus, float(options.cpus_per_task), options.max_parallel)
 
 
 def task_device(device: str, gpus_per_task: float) -> str:

@@ -26,7 +26,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 from typing import Any
 
 try:
@@ -40,6 +39,8 @@ except ImportError:  # the extra is missing: make_engine names it before this mo
 from batchfit.errors import InputError
 from batchfit.sweep.engines.base import Ended
 from batchfit.sweep.engines.base import Handle
+from batchfit.sweep.engines.options import EngineOptions
+from batchfit.sweep.engines.options import refuse_foreign
 from batchfit.sweep.engines.slurm_states import ENDED_STATES
 from batchfit.sweep.engines.slurm_states import STATE_INTERVAL_S
 from batchfit.sweep.engines.slurm_states import SlurmStates
@@ -49,16 +50,12 @@ from batchfit.sweep.jobs import Death
 from batchfit.sweep.jobs import Outcome
 from batchfit.sweep.jobs import run_job
 
-if TYPE_CHECKING:
-    from batchfit.sweep.engines import EngineOptions
-
 SBATCH_MISSING = "sbatch not found: run on a Slurm login node, or use --engine local"
 DEFAULT_FOLDER = "batchfit-slurm"
 RESULT_INTERVAL_S = 1.0  # result files are looked for this often while poll waits
 RESULT_GRACE_S = 15.0  # a task COMPLETED without a result file yet: a shared file system may lag (as submitit waits)
 STDERR_TAIL_CHARS = 2000
 TOKEN = re.compile(r"\d+(_\d+)?")  # a Slurm job id, or an array task's
-REFUSED = {"slots": ("local", "--slots"), "workers": ("local", "--workers"), "address": ("ray", "--ray-address")}
 
 
 @dataclass(frozen=True)
@@ -98,14 +95,8 @@ class SlurmSettings:
 
 def settings_from(options: EngineOptions, device: str) -> SlurmSettings:
     """``SlurmSettings`` from the sweep's options: an ``InputError`` (one line) for another engine's option."""
-    for name, (engine, flag) in REFUSED.items():
-        if getattr(options, name) is not None:
-            raise InputError(
-                f"{flag} is an option of the {engine} engine, not slurm's: drop it or use --engine {engine}"
-            )
-    gpus = options.gpus_per_task
-    if gpus is None:
-        gpus = 1 if device.startswith("cuda") else 0
+    refuse_foreign(options, "slurm")
+    gpus = options.gpus_for(device)
     if not float(gpus).is_integer():
         raise InputError(f"Slurm gives whole GPUs to a task: got gpus_per_task={gpus}")
     return SlurmSettings(
