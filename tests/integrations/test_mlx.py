@@ -32,6 +32,9 @@ from batchfit.search.strategies import SearchSpace
 from batchfit.step.builtin_workloads import mlp
 from strategy_harness import run_strategy
 
+# One worker builds the module's shared fixture once under pytest-xdist (--dist loadgroup), not once per worker.
+pytestmark = pytest.mark.xdist_group("mlx")
+
 OOM_MESSAGE = "[malloc] Unable to allocate 4294967296 bytes."  # as MLX's allocator raises it
 
 

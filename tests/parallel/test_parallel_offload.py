@@ -27,6 +27,9 @@ from batchfit.parallel.world import fake_world
 from batchfit.parallel.wrap import shard_model
 from ddp_launch import LAUNCH
 
+# One worker builds the module's shared fixture once under pytest-xdist (--dist loadgroup), not once per worker.
+pytestmark = pytest.mark.xdist_group("offload")
+
 OFFLOADED = ("sharded_parameters", "gradients", "optimizer_state")
 OFFLOAD_2 = Parallelism(world_size=2, cpu_offload=True)
 WIDE = functools.partial(TinyTransformer, vocab_size=1024, hidden_size=256, num_heads=4, num_layers=2)

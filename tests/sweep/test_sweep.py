@@ -20,6 +20,9 @@ from batchfit.sweep.api import grid_configs
 from batchfit.sweep.api import sweep_grid
 from models import decoder
 
+# One worker builds the module's shared fixture once under pytest-xdist (--dist loadgroup), not once per worker.
+pytestmark = pytest.mark.xdist_group("sweep")
+
 # Small enough that every true edge is a short linear scan (17 samples at most), large enough that
 # two layers fit. Two values per knob are all the default run needs: the fourth configuration is
 # the first that the memory model fitted across the others can estimate.

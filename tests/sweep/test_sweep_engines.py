@@ -15,6 +15,7 @@ import pytest
 
 from batchfit.errors import InputError
 from batchfit.search.settings import SearchSettings
+from batchfit.sweep.api import grid_configs
 from batchfit.sweep.api import sweep_grid
 from batchfit.sweep.engines import EngineOptions
 from batchfit.sweep.engines import check_engine
@@ -27,8 +28,11 @@ from batchfit.sweep.jobs import MainFunction
 from batchfit.sweep.jobs import portable
 from batchfit.sweep.jobs import run_job
 from batchfit.sweep.parallel import JobTokens
+from batchfit.sweep.parallel import ParallelSweep
+from batchfit.sweep.results import SweepFile
 from batchfit.sweep.results import SweepResult
 from batchfit.sweep.schedule import extremes_first
+from engine_checks import InProcessEngine
 from engine_workloads import MARKER_VARIABLE
 from engine_workloads import gpt_faulty
 
@@ -46,6 +50,7 @@ def _answers(records):
     return {r["seq_len"]: {k: r.get(k) for k in ANSWER} for r in records}
 
 
+@pytest.mark.slow  # four worker processes, each starting Python and torch: about 12 s (make reliability)
 def test_a_killed_worker_is_sent_again_and_the_answers_are_the_sequential_ones(
     tmp_path, monkeypatch, workers_import_the_tests
 ):
@@ -80,6 +85,35 @@ def test_a_killed_worker_is_sent_again_and_the_answers_are_the_sequential_ones(
     assert [r["seq_len"] for r in json.loads(results.read_text())["summary"]][2] == 16
     assert not results.with_name("sweep.json.jobs.json").exists()
     assert "Ran on the local engine: worker 1" in local.summary()
+
+
+def test_the_driver_sends_extremes_first_retries_a_death_once_and_records_what_raised():
+    """The driver with an engine that runs each job in this process (the slow test above kills a real worker)."""
+    grid = {"seq_len": [8, 16, 24, 32], "raises_at": [24]}
+    configs = grid_configs(grid)
+    engine = InProcessEngine(dies=("seq_len=16, raises_at=24",))
+    settings = JobSettings(SearchSettings(), True, ("model", "trace", "rules"), None)
+    names = tuple(grid)
+
+    def make_job(knobs, records):
+        return ConfigJob(knobs, gpt_faulty, DEVICE, settings, names, records)
+
+    lines: list[str] = []
+    header = {"workload": "gpt_faulty", "knobs": list(names), "device": {"name": DEVICE}, "settings": {}}
+    result = ParallelSweep(engine, make_job, None, lines.append).run(configs, SweepFile(None, header))
+    sent = [line.split("Sent seq_len=")[1].split(",")[0] for line in lines if "Sent " in line]
+    assert sent == ["8", "32", "16", "24", "16"]  # the extremes, then the rest; 16 again after its death
+    assert [line for line in lines if "died:" in line] == [
+        "[slot 1] ✗ The worker for seq_len=16, raises_at=24 died: "
+        "killed by SIGKILL (the host's out-of-memory killer, or a kill)"
+    ]
+    by_len = {r["seq_len"]: r for r in result.records}
+    inline = sweep_grid(gpt_faulty, {"seq_len": [8, 16, 32]}, device=DEVICE, cache=False, engine="inline")
+    assert _answers([by_len[n] for n in (8, 16, 32)]) == _answers(inline.records)
+    assert [by_len[n]["ran_on"]["attempt"] for n in (8, 16, 32)] == [1, 2, 1]
+    assert by_len[16]["estimate_source"] == "model"  # fitted across the extremes
+    assert (by_len[24]["failure"], by_len[24]["error"]) == ("raised", "ValueError: no such configuration in this model")
+    assert result.ran_on == {"engine": "in-process", "slots": {"slot 1": 2, "slot 2": 2}}  # one record each
 
 
 def test_a_factory_that_raises_is_recorded_and_the_job_goes_on():
