@@ -13,12 +13,30 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# What the tests' processes import, imported once in one process: Python writes the bytecode of those modules
+# here, where otherwise both test workers and the processes they start compile the same ones at once.
+define WARM_IMPORTS
+import importlib
+for name in """torch torch._dynamo torch.distributed.fsdp torch.utils.checkpoint torch._subclasses.fake_tensor
+    transformers transformers.models.gpt2.modeling_gpt2 transformers.models.llama.modeling_llama
+    transformers.models.vit.modeling_vit transformers.models.t5.modeling_t5 batchfit.cli.app batchfit.cli.find
+    batchfit.cli.estimate batchfit.cli.plan batchfit.cli.optimal batchfit.cli.sweep_run batchfit.cli.tokens_run
+    batchfit.sweep.jobs matplotlib.pyplot hypothesis jsonschema lightning""".split():
+    try:
+        importlib.import_module(name)
+    except ImportError:  # an extra this machine lacks: nothing to warm
+        pass
+endef
+export WARM_IMPORTS
+
 # torch is pinned to the local CPU wheel first, so the project's `torch>=2.13` installs nothing more. Nothing is
 # compiled at install (--no-compile): the tests import a fraction of torch's and transformers' modules, and Python
-# writes the bytecode of those on first import (PYTHONDONTWRITEBYTECODE is unset below for that reason).
+# writes the bytecode of those on first import (PYTHONDONTWRITEBYTECODE is unset above for that reason), most of
+# them in WARM_IMPORTS.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --no-compile torch==2.13.0
 	$(BIN)/pip install --quiet --no-compile -e ".[test,plot,lightning,transformers,mlx,docs]"
+	$(BIN)/python -c "$$WARM_IMPORTS"
 	touch $(STAMP)
 
 install: $(STAMP)
